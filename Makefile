@@ -1,0 +1,46 @@
+# Two commands: `make demo` and `make test`. Both create .venv and install what they need.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+
+.PHONY: demo test lint data install install-dev bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+install: $(BIN)/python
+	$(PIP) install -q -e .
+
+install-dev: $(BIN)/python
+	$(PIP) install -q -e '.[dev]'
+
+# The data: cache, system copy or download; with no internet and root, Debian's package.
+data: install
+	@$(BIN)/fashionjax data --quiet --out runs/data >/dev/null || \
+	 ( if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	     echo "installing Debian's dataset-fashion-mnist"; \
+	     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist) >/dev/null; \
+	   else \
+	     echo "No Fashion-MNIST found and no download possible. Either:"; \
+	     echo "  sudo apt-get install dataset-fashion-mnist   (Debian/Ubuntu), or"; \
+	     echo "  put the four .gz files in a folder and set FASHIONJAX_DATA_DIR to it."; \
+	     exit 1; \
+	   fi )
+	$(BIN)/fashionjax data --out runs/data
+
+demo: data
+	$(BIN)/fashionjax doctor
+	$(BIN)/fashionjax train --run-dir runs/demo --overwrite
+	@echo "outputs: runs/data/samples.png and runs/demo/ (open runs/demo/report.html)"
+
+lint: install-dev
+	$(BIN)/ruff check src tests benchmarks
+
+test: install-dev
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf runs .pytest_cache .ruff_cache

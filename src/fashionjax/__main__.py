@@ -1,0 +1,5 @@
+import sys
+
+from fashionjax.cli import main
+
+sys.exit(main())

@@ -1,0 +1,163 @@
+"""The run directory: atomic writes, JSON Lines that survive a torn tail, digests.
+
+Every file a later command trusts is written to a temp file, fsynced, then renamed over the target,
+so a crash leaves either the old file or the new one, never half of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from fashionjax.config import ConfigError
+
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "eval.json", "report.html", "checkpoints")
+
+
+class RunDirError(Exception):
+    """The run directory cannot be used as asked."""
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _json_default(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def to_json(document) -> str:
+    return json.dumps(_finite(document), indent=2, sort_keys=True, default=_json_default) + "\n"
+
+
+def _finite(value):
+    """JSON has no NaN or Infinity: write them as null rather than produce invalid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def atomic_write_json(path: str | Path, document) -> None:
+    atomic_write_text(path, to_json(document))
+
+
+def read_json(path: str | Path):
+    return json.loads(Path(path).read_text())
+
+
+def append_jsonl(path: str | Path, records: Iterable[dict]) -> None:
+    """Append records and fsync: a crash loses at most the line being written."""
+    lines = "".join(json.dumps(_finite(r), sort_keys=True, default=_json_default) + "\n" for r in records)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(lines)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Read JSON Lines, skipping a torn last line (a write that never finished)."""
+    try:
+        lines = [line for line in Path(path).read_text(encoding="utf-8").split("\n") if line.strip()]
+    except FileNotFoundError:
+        return []
+    records = []
+    for number, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines) - 1:
+                raise
+    return records
+
+
+def truncate_jsonl(path: str | Path, keep) -> None:
+    """Rewrite a JSON Lines file keeping only records for which keep(record) is true (atomic)."""
+    records = [r for r in read_jsonl(path) if keep(r)]
+    text = "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
+    atomic_write_text(path, text)
+
+
+def digest_arrays(named_arrays: Iterable[tuple[str, np.ndarray]]) -> str:
+    """SHA-256 over arrays' bytes in sorted name order (names, dtypes and shapes included)."""
+    digest = hashlib.sha256()
+    for name, array in sorted(named_arrays, key=lambda item: item[0]):
+        array = np.ascontiguousarray(array)
+        digest.update(f"{name}:{array.dtype.str}:{array.shape};".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def utc_stamp() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
+def prepare_run_dir(run_dir: str | Path, overwrite: bool = False, resume: bool = False) -> Path:
+    """Create (or reuse) a run directory, refusing to mix a new run into an old one."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"{run_dir}: exists and is not a directory")
+    if run_dir.is_dir() and any(run_dir.iterdir()) and not (overwrite or resume):
+        raise ConfigError(f"{run_dir}: run directory is not empty (use --overwrite or --resume)")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if overwrite and not resume:
+            _clear_run_files(run_dir)
+        probe = run_dir / ".write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise RunDirError(f"{run_dir}: run directory is not writable ({err.strerror})") from err
+    return run_dir
+
+
+def _clear_run_files(run_dir: Path) -> None:
+    for entry in run_dir.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,386 @@
+"""The command line: the only argv parser. Each subcommand builds a config and calls the library.
+
+Exit codes: 0 ok; 1 runtime failure (data, divergence, I/O); 2 bad usage or config (before any
+file is written); 130/143 interrupted by SIGINT/SIGTERM after saving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from fashionjax import __version__, artifacts, data
+from fashionjax.config import DTYPES, MODELS, OPTIMIZERS, SCHEDULES, ConfigError
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Bad flags; reported in one line with exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's two-line usage dump
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print exactly one JSON document on stdout")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--quiet", action="store_true", help="no progress output")
+
+
+def _data_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--data-dir", help="directory with the four .gz files (no fallback if invalid)")
+    parser.add_argument("--offline", action="store_true", default=None, help="never use the network")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fashionjax", description="Train and evaluate Fashion-MNIST classifiers with JAX.")
+    parser.add_argument("--version", action="version", version=f"fashionjax {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    doctor = sub.add_parser("doctor", help="versions, backend and devices")
+    doctor.add_argument("--require-gpu", action="store_true", help="exit 1 when no GPU is visible")
+    _common(doctor)
+
+    data_cmd = sub.add_parser("data", help="obtain, verify and describe the dataset")
+    data_cmd.add_argument("--out", default="runs/data", help="where samples.png goes (default runs/data)")
+    _data_flags(data_cmd)
+    _common(data_cmd)
+
+    train_cmd = sub.add_parser("train", help="train a model, evaluate it, write a run directory")
+    train_cmd.add_argument("--model", default="mlp", help=f"one of {', '.join(MODELS)} (default mlp)")
+    length = train_cmd.add_mutually_exclusive_group()
+    length.add_argument("--epochs", type=int, help="passes over the training set (default: recipe's)")
+    length.add_argument("--steps", type=int, help="optimizer steps (instead of --epochs)")
+    train_cmd.add_argument("--batch-size", type=int, help="global batch size (default 512)")
+    train_cmd.add_argument("--optimizer", help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
+    train_cmd.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
+    train_cmd.add_argument("--schedule", help=f"one of {', '.join(SCHEDULES)} (default cosine)")
+    train_cmd.add_argument("--weight-decay", type=float, help="decoupled weight decay (default 1e-4)")
+    train_cmd.add_argument("--clip-norm", type=float, help="clip gradients to this global norm")
+    train_cmd.add_argument("--dtype", help=f"compute dtype: {', '.join(DTYPES)} (default float32)")
+    train_cmd.add_argument("--seed", type=int, help="root of all randomness (default 0)")
+    train_cmd.add_argument("--log-every", type=int, help="steps per compiled chunk and log point (25)")
+    train_cmd.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (an epoch)")
+    train_cmd.add_argument("--keep", type=int, help="checkpoints to keep (default 3)")
+    train_cmd.add_argument("--run-dir", help="output directory (default runs/<UTC time>-<model>)")
+    train_cmd.add_argument("--overwrite", action="store_true", help="replace a non-empty run directory")
+    train_cmd.add_argument("--resume", action="store_true", help="continue --run-dir from its latest checkpoint")
+    train_cmd.add_argument("--devices", default="all", help="how many local devices to use, or 'all'")
+    train_cmd.add_argument("--coordinator", help="HOST:PORT of process 0, for multi-process runs")
+    train_cmd.add_argument("--num-processes", type=int, help="number of processes (multi-process)")
+    train_cmd.add_argument("--process-id", type=int, help="this process's index (multi-process)")
+    _data_flags(train_cmd)
+    _common(train_cmd)
+
+    eval_cmd = sub.add_parser("eval", help="re-score a run's final parameters on all 10,000 test images")
+    eval_cmd.add_argument("run_dir", help="a run directory written by `fashionjax train`")
+    _data_flags(eval_cmd)
+    _common(eval_cmd)
+    return parser
+
+
+# ---------------------------------------------------------------- output
+
+
+class Output:
+    """Human output to stdout (or stderr under --json); the JSON document alone on stdout."""
+
+    def __init__(self, args):
+        from rich.console import Console
+
+        self.json = getattr(args, "json", False)
+        self.quiet = getattr(args, "quiet", False)
+        self.console = Console(stderr=self.json, highlight=False)
+        self.errors = Console(stderr=True, highlight=False)
+
+    def note(self, message: str) -> None:
+        if not self.quiet:
+            self.errors.print(message, markup=False)
+
+    def show(self, renderable) -> None:
+        if not self.quiet or not self.json:
+            self.console.print(renderable)
+
+    def document(self, document) -> None:
+        if self.json:
+            sys.stdout.write(artifacts.to_json(document))
+            sys.stdout.flush()
+
+
+def _table(title: str, headers, rows):
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for header in headers:
+        table.add_column(str(header))
+    for row in rows:
+        table.add_row(*[str(cell) for cell in row])
+    return table
+
+
+# ---------------------------------------------------------------- commands
+
+
+def cmd_doctor(args, out: Output) -> int:
+    from fashionjax import environment
+
+    info = environment.describe(with_git=True)
+    has_gpu = any(d["platform"] == "gpu" for d in info["devices"])
+    info["gpu"] = has_gpu
+    rows = [(k, info[k]) for k in ("python", "jax_version", "jaxlib_version", "optax_version",
+                                   "fashionjax_version", "backend", "device_kind", "device_count",
+                                   "process_count", "cpu_model", "cpu_cores", "matmul_precision")]
+    out.show(_table("fashionjax doctor", ["item", "value"], rows))
+    out.show(_table("devices", ["id", "platform", "kind", "memory"],
+                    [(d["id"], d["platform"], d["kind"], _bytes(d["memory_bytes"])) for d in info["devices"]]))
+    out.document(info)
+    if args.require_gpu and not has_gpu:
+        out.errors.print(f"fashionjax doctor: no GPU visible (backend is {info['backend']}); "
+                         "install with the cuda extra: pip install 'fashionjax[cuda]'", markup=False)
+        return EXIT_FAILURE
+    return EXIT_OK
+
+
+def _bytes(count) -> str:
+    return "unknown" if count is None else f"{count / 2**30:.1f} GiB"
+
+
+def _load_data(args, out: Output) -> data.Dataset:
+    return data.load(args.data_dir, offline=args.offline, log=out.note)
+
+
+def cmd_data(args, out: Output) -> int:
+    from fashionjax.report import plots
+
+    dataset = _load_data(args, out)
+    summary = data.summarize(dataset)
+    out_dir = Path(args.out)
+    artifacts.prepare_run_dir(out_dir, overwrite=True)
+    samples = plots.samples(dataset.train.images_u8, dataset.train.labels, dataset.class_names,
+                            out_dir / "samples.png")
+    summary["samples_png"] = str(samples)
+    rows = [(name, f"{s['images']:,}", tuple(s["shape"]), f"{s['labels']:,}") for name, s in summary["splits"].items()]
+    out.show(_table("Fashion-MNIST", ["split", "images", "image shape", "labels"], rows))
+    out.show(_table("images per class", ["class", "train", "test"],
+                    [(name, summary["splits"]["train"]["class_counts"][i], summary["splits"]["test"]["class_counts"][i])
+                     for i, name in enumerate(dataset.class_names)]))
+    source = dataset.source
+    verified = sorted({f["verified_by"] for f in source.get("files", [])})
+    out.show(f"source: {source.get('kind')} {source.get('path')} (verified by {', '.join(verified) or 'cached digests'})")
+    out.show(f"samples: {samples}")
+    out.document(summary)
+    return EXIT_OK
+
+
+def _train_config(args, num_examples: int | None):
+    from fashionjax import config as config_lib
+
+    base = config_lib.default(args.model)
+    overrides = {
+        "epochs": args.epochs, "steps": args.steps, "batch_size": args.batch_size, "optimizer": args.optimizer,
+        "lr": args.lr, "schedule": args.schedule, "weight_decay": args.weight_decay, "clip_norm": args.clip_norm,
+        "dtype": args.dtype, "seed": args.seed, "log_every": args.log_every,
+        "checkpoint_every": args.checkpoint_every, "keep": args.keep,
+    }
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if args.steps is not None:
+        overrides["epochs"] = None
+    return config_lib.validate(dataclasses.replace(base, **overrides), num_examples)
+
+
+class SignalCatcher:
+    """Turn the first SIGINT/SIGTERM into a request to stop at the next chunk end."""
+
+    def __init__(self):
+        self.signum = None
+        self.previous = {}
+
+    def __enter__(self):
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self.previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:  # a second signal: stop now
+            signal.signal(signum, self.previous[signum])
+            os.kill(os.getpid(), signum)
+        self.signum = signum
+
+    def __exit__(self, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        return False
+
+
+def cmd_train(args, out: Output) -> int:
+    from fashionjax import distributed
+    from fashionjax import run as run_lib
+    from fashionjax import train as train_lib
+
+    _train_config(args, None)  # flag faults first: before loading data or touching any file
+    if args.resume and not args.run_dir:
+        raise ConfigError("--resume needs --run-dir")
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    _enable_compile_cache()
+    dataset = _load_data(args, out)
+    config = _train_config(args, len(dataset.train.labels))
+    mesh = distributed.make_mesh(args.devices)
+    distributed.check_batch(config.batch_size, mesh)
+    run_dir = Path(args.run_dir) if args.run_dir else run_lib.default_run_dir(config.model)
+    if run_lib.is_writer():
+        artifacts.prepare_run_dir(run_dir, overwrite=args.overwrite, resume=args.resume)
+    progress = _Progress(out, config, len(dataset.train.labels))
+    with SignalCatcher() as catcher, progress:
+        hooks = train_lib.Hooks(on_log=progress.update, stop_signal=lambda: catcher.signum, on_note=out.note)
+        try:
+            summary = run_lib.train_and_evaluate(config, dataset, run_dir, mesh, resume=args.resume, hooks=hooks)
+        except train_lib.Interrupted as stop:
+            progress.close()
+            out.errors.print(f"fashionjax train: interrupted at step {stop.step}, checkpoint saved; resume with: "
+                             f"fashionjax train --resume --run-dir {run_dir}", markup=False)
+            return 128 + stop.signum
+    if run_lib.is_writer():
+        _render_report(run_dir, out)
+    _show_summary(out, summary, run_dir)
+    out.document(dict(summary, run_dir=str(run_dir)))
+    return EXIT_OK
+
+
+def _render_report(run_dir: Path, out: Output) -> None:
+    try:
+        from fashionjax.report import render
+    except ImportError:
+        return
+    out.note(f"report: {render.render(run_dir)}")
+
+
+def _show_summary(out: Output, summary: dict, run_dir: Path) -> None:
+    rate = summary["train_examples_per_sec"]
+    rows = [
+        ("model", f"{summary['model']} ({summary['params']:,} params)"),
+        ("steps / epochs", f"{summary['steps']} / {summary['epochs']}"),
+        ("test accuracy", f"{100 * summary['test_accuracy']:.2f}% of {summary['test_examples']:,}"),
+        ("test loss", f"{summary['test_loss']:.4f}"),
+        ("final train loss", f"{summary['final_train_loss']:.4f}"),
+        ("examples/sec (steady)", "n/a (one chunk)" if rate is None else f"{rate:,.0f}"),
+        ("compile seconds", f"{summary['compile_seconds']:.2f}"),
+        ("wall seconds", f"{summary['wall_seconds']:.2f}"),
+        ("devices", f"{summary['device_count']} x {summary['device_kind']} ({summary['backend']})"),
+        ("params digest", summary["params_digest"][:16]),
+        ("run directory", str(run_dir)),
+    ]
+    out.show(_table("training summary", ["", ""], rows))
+
+
+class _Progress:
+    """A rich progress bar when stdout is a terminal and --quiet is off; silent otherwise."""
+
+    def __init__(self, out: Output, config, num_examples: int):
+        self.enabled = sys.stdout.isatty() and not out.quiet and not out.json
+        self.total = config.total_steps(num_examples)
+        self.bar = None
+        if self.enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                TimeRemainingColumn(), console=out.errors)
+            self.task = self.bar.add_task("training", total=self.total)
+
+    def __enter__(self):
+        if self.bar:
+            self.bar.start()
+        return self
+
+    def update(self, record: dict) -> None:
+        if self.bar:
+            self.bar.update(self.task, completed=record["step"], description=(
+                f"epoch {record['epoch']:.2f} loss {record['loss']:.4f} acc {100 * record['accuracy']:.1f}% "
+                f"{record['examples_per_sec']:,.0f} ex/s"))
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.stop()
+            self.bar = None
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def cmd_eval(args, out: Output) -> int:
+    from fashionjax import distributed
+    from fashionjax import run as run_lib
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.json").is_file():
+        raise ConfigError(f"{run_dir}: not a run directory (no config.json)")
+    _enable_compile_cache()
+    dataset = _load_data(args, out)
+    scored = run_lib.rescore(run_dir, dataset, distributed.make_mesh("all"))
+    report = scored["report"]
+    out.show(_table(f"evaluation of {run_dir}", ["", ""], [
+        ("test accuracy", f"{100 * report['accuracy']:.2f}% ({report['correct']:,} of {report['examples']:,})"),
+        ("test loss", f"{report['loss']:.4f}"), ("checkpoint step", report["step"]),
+        ("params digest", report["params_digest"][:16])]))
+    out.document(report)
+    return EXIT_OK
+
+
+def _enable_compile_cache() -> None:
+    """A persistent XLA cache under the user cache dir: later runs skip most compiling."""
+    if os.environ.get("FASHIONJAX_NO_COMPILE_CACHE"):
+        return
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(data.cache_root() / "xla-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+COMMANDS = {"doctor": cmd_doctor, "data": cmd_data, "train": cmd_train, "eval": cmd_eval}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    out = Output(args)
+    started = time.perf_counter()
+    try:
+        return COMMANDS[args.command](args, out)
+    except KeyboardInterrupt:
+        out.errors.print(f"fashionjax {args.command}: interrupted", markup=False)
+        return 130
+    except Exception as err:
+        if debug:
+            raise
+        code = exit_code(err)
+        out.errors.print(f"fashionjax {args.command}: {err}", markup=False)
+        return code
+    finally:
+        if debug:
+            out.errors.print(f"[{time.perf_counter() - started:.2f}s]", markup=False)
+
+
+def exit_code(err: Exception) -> int:
+    """2 for usage and config faults, 1 for everything that went wrong at run time."""
+    if isinstance(err, ConfigError | UsageError):
+        return EXIT_USAGE
+    return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The device mesh, shardings and multi-process start-up (jax.sharding, jax.distributed).
+
+Data parallelism only: a 1-D mesh with a "data" axis; batches split along it; parameters and
+optimizer state replicated. XLA inserts the gradient all-reduce; there are no hand-written
+collectives.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fashionjax.config import ConfigError
+
+DATA_AXIS = "data"
+
+
+def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None) -> None:
+    """Start jax.distributed when asked (or when the cluster environment says so)."""
+    import jax
+
+    if coordinator is None and num_processes is None and process_id is None:
+        return
+    if coordinator is None or num_processes is None or process_id is None:
+        raise ConfigError("--coordinator, --num-processes and --process-id go together")
+    if not 0 <= process_id < num_processes:
+        raise ConfigError(f"--process-id {process_id} is outside 0..{num_processes - 1}")
+    if jax.default_backend() == "cpu" or _cpu_only():
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
+        initialization_timeout=60,
+    )
+
+
+def _cpu_only() -> bool:
+    import os
+
+    return os.environ.get("JAX_PLATFORMS", "").strip() == "cpu"
+
+
+def make_mesh(devices: str | int = "all"):
+    """A 1-D data mesh over all devices, or over the first N of them (single process only)."""
+    import jax
+    from jax.sharding import Mesh
+
+    available = jax.devices()
+    if devices == "all":
+        chosen = available
+    else:
+        count = int(devices)
+        if count < 1 or count > len(available):
+            raise ConfigError(f"--devices {count}: this machine has {len(available)} device(s)")
+        if count != len(available) and jax.process_count() > 1:
+            raise ConfigError("--devices must be 'all' when running on several processes")
+        chosen = available[:count]
+    return Mesh(np.array(chosen), (DATA_AXIS,))
+
+
+def check_batch(batch_size: int, mesh, what: str = "batch size") -> None:
+    size = mesh.devices.size
+    if batch_size % size:
+        raise ConfigError(f"{what} {batch_size} does not divide evenly over {size} devices")
+
+
+def replicated(mesh):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharded(mesh):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return NamedSharding(mesh, PartitionSpec(DATA_AXIS))
+
+
+def put_replicated(host_array: np.ndarray, mesh):
+    """Place a host array on every device of the mesh, in one or many processes."""
+    import jax
+
+    host_array = np.asarray(host_array)
+    return jax.make_array_from_callback(host_array.shape, replicated(mesh), lambda index: host_array[index])
+
+
+def replicate_tree(tree, mesh):
+    """Replicate a PyTree of (host or device) arrays over the mesh."""
+    import jax
+
+    return jax.tree_util.tree_map(lambda x: put_replicated(np.asarray(x), mesh), tree)
+
+
+def fetch(tree):
+    """Bring a PyTree of replicated or sharded arrays to this host as NumPy (a deliberate sync)."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    def one(x):
+        if not isinstance(x, jax.Array):
+            return np.asarray(x)
+        if x.is_fully_addressable:
+            return np.asarray(jax.device_get(x))
+        if x.sharding.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree_util.tree_map(one, tree)

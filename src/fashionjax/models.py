@@ -1,0 +1,151 @@
+"""Models as PyTrees of arrays with pure init/apply functions, and their registry.
+
+Parameters are float32; `apply` casts weights and activations to the compute dtype and returns
+float32 logits (the codelab's mixed-precision scheme). Images arrive as float32 in [0, 1].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+IMAGE_SIDE = 28
+INPUT_DIM = IMAGE_SIDE * IMAGE_SIDE
+NUM_CLASSES = 10
+# tokens/sec is a projection: we count an image as the 49 non-overlapping 4x4 patches a
+# vision transformer would read. No model here consumes tokens; the figure relates
+# examples/sec to the unit sequence-model people quote, nothing more.
+TOKENS_PER_EXAMPLE = (IMAGE_SIDE // 4) ** 2
+TOKENS_ASSUMPTION = "one image = 49 tokens (non-overlapping 4x4 patches, as a ViT would read it)"
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    init: Callable  # (key) -> params
+    apply: Callable  # (params, images (batch, 28, 28) float32, compute_dtype) -> (batch, 10) float32
+    train_flops_per_example: int  # forward + backward matmul/conv FLOPs
+    tokens_per_example: int = TOKENS_PER_EXAMPLE
+    description: str = ""
+
+
+def _he_normal(key, shape, fan_in):
+    return jax.random.normal(key, shape, dtype=jnp.float32) * math.sqrt(2.0 / fan_in)
+
+
+def _train_flops(layer_macs: list[int]) -> int:
+    """Training FLOPs from each layer's multiply-accumulates per example, first layer first.
+
+    Forward is 2*MACs per layer; backward needs 2*MACs for the weight gradient of every layer and
+    2*MACs for the input gradient of every layer but the first (the images need no gradient).
+    """
+    forward = sum(2 * m for m in layer_macs)
+    weight_grads = forward
+    input_grads = sum(2 * m for m in layer_macs[1:])
+    return forward + weight_grads + input_grads
+
+
+# ---------------------------------------------------------------- mlp: the codelab's model
+
+MLP_WIDTHS = (INPUT_DIM, 256, 128, NUM_CLASSES)
+
+
+def mlp_init(key) -> dict:
+    keys = jax.random.split(key, len(MLP_WIDTHS) - 1)
+    params = {}
+    for i, (k, fan_in, fan_out) in enumerate(zip(keys, MLP_WIDTHS[:-1], MLP_WIDTHS[1:], strict=True), 1):
+        params[f"w{i}"] = _he_normal(k, (fan_in, fan_out), fan_in)
+        params[f"b{i}"] = jnp.zeros((fan_out,), jnp.float32)
+    return params
+
+
+def mlp_apply(params: dict, images, compute_dtype=jnp.float32):
+    x = images.reshape(images.shape[0], -1).astype(compute_dtype)  # (batch, 784)
+    num_layers = len(MLP_WIDTHS) - 1
+    for i in range(1, num_layers + 1):
+        x = x @ params[f"w{i}"].astype(compute_dtype) + params[f"b{i}"].astype(compute_dtype)
+        if i < num_layers:
+            x = jax.nn.gelu(x)
+    return x.astype(jnp.float32)
+
+
+# ---------------------------------------------------------------- cnn
+
+CNN_CHANNELS = (1, 32, 64)
+CNN_HIDDEN = 256
+
+
+def cnn_init(key) -> dict:
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    c0, c1, c2 = CNN_CHANNELS
+    flat = (IMAGE_SIDE // 4) ** 2 * c2
+    return {
+        "conv1": {"w": _he_normal(k1, (3, 3, c0, c1), 9 * c0), "b": jnp.zeros((c1,), jnp.float32)},
+        "conv2": {"w": _he_normal(k2, (3, 3, c1, c2), 9 * c1), "b": jnp.zeros((c2,), jnp.float32)},
+        "dense1": {"w": _he_normal(k3, (flat, CNN_HIDDEN), flat), "b": jnp.zeros((CNN_HIDDEN,), jnp.float32)},
+        "dense2": {"w": _he_normal(k4, (CNN_HIDDEN, NUM_CLASSES), CNN_HIDDEN),
+                   "b": jnp.zeros((NUM_CLASSES,), jnp.float32)},
+    }
+
+
+def _conv_pool(x, layer, compute_dtype):
+    y = jax.lax.conv_general_dilated(
+        x, layer["w"].astype(compute_dtype), window_strides=(1, 1), padding="SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    )
+    y = jax.nn.gelu(y + layer["b"].astype(compute_dtype))
+    return jax.lax.reduce_window(y, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+
+
+def cnn_apply(params: dict, images, compute_dtype=jnp.float32):
+    x = images.reshape(images.shape[0], IMAGE_SIDE, IMAGE_SIDE, 1).astype(compute_dtype)
+    x = _conv_pool(x, params["conv1"], compute_dtype)  # (batch, 14, 14, 32)
+    x = _conv_pool(x, params["conv2"], compute_dtype)  # (batch, 7, 7, 64)
+    x = x.reshape(x.shape[0], -1)
+    x = jax.nn.gelu(x @ params["dense1"]["w"].astype(compute_dtype) + params["dense1"]["b"].astype(compute_dtype))
+    logits = x @ params["dense2"]["w"].astype(compute_dtype) + params["dense2"]["b"].astype(compute_dtype)
+    return logits.astype(jnp.float32)
+
+
+def _cnn_macs() -> list[int]:
+    c0, c1, c2 = CNN_CHANNELS
+    side1, side2 = IMAGE_SIDE, IMAGE_SIDE // 2
+    flat = (IMAGE_SIDE // 4) ** 2 * c2
+    return [side1 * side1 * 9 * c0 * c1, side2 * side2 * 9 * c1 * c2, flat * CNN_HIDDEN, CNN_HIDDEN * NUM_CLASSES]
+
+
+REGISTRY: dict[str, Model] = {
+    "mlp": Model(
+        "mlp", mlp_init, mlp_apply,
+        _train_flops([a * b for a, b in zip(MLP_WIDTHS[:-1], MLP_WIDTHS[1:], strict=True)]),
+        description="784-256-128-10 GELU MLP (the codelab's)",
+    ),
+    "cnn": Model(
+        "cnn", cnn_init, cnn_apply, _train_flops(_cnn_macs()),
+        description="conv3x3(32)-pool-conv3x3(64)-pool-dense(256)-10, GELU",
+    ),
+}
+
+
+def get(name: str) -> Model:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown model {name!r} (choose from {', '.join(REGISTRY)})") from None
+
+
+def count_params(params) -> int:
+    return sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
+
+
+def param_table(params) -> list[dict]:
+    """One row per leaf: its path, shape and dtype."""
+    rows = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        rows.append({"leaf": jax.tree_util.keystr(path), "shape": list(leaf.shape),
+                     "dtype": str(leaf.dtype), "size": int(leaf.size)})
+    return rows

@@ -1,0 +1,116 @@
+"""PNG figures (matplotlib, Agg) from plain arrays and records; no JAX here."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
+import numpy as np  # noqa: E402
+
+from fashionjax import artifacts  # noqa: E402
+
+RIGHT, WRONG = "#1a7f37", "#d1242f"
+LOSS_COLOR, ACCURACY_COLOR = "#0969da", "#1a7f37"
+
+
+def _save(fig, path: str | Path) -> Path:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    artifacts.atomic_write_bytes(path, buffer.getvalue())
+    return Path(path)
+
+
+def samples(images_u8: np.ndarray, labels: np.ndarray, class_names: Sequence[str], path) -> Path:
+    """One training example per class, 2 x 5, titled with the class name."""
+    fig, axes = plt.subplots(2, 5, figsize=(10, 4.4))
+    for label, ax in enumerate(axes.flat):
+        matches = np.flatnonzero(labels == label)
+        if len(matches):
+            ax.imshow(images_u8[matches[0]], cmap="gray")
+        ax.set_title(class_names[label], fontsize=10)
+        ax.axis("off")
+    fig.suptitle("One Fashion-MNIST example per class")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def curve(records: Sequence[dict], path) -> Path:
+    """Training loss and batch accuracy against step, on two axes."""
+    steps = [r["step"] for r in records]
+    fig, loss_axis = plt.subplots(figsize=(8, 4))
+    loss_axis.plot(steps, [r["loss"] for r in records], marker="o", markersize=3, color=LOSS_COLOR)
+    loss_axis.set_xlabel("step")
+    loss_axis.set_ylabel("loss", color=LOSS_COLOR)
+    loss_axis.tick_params(axis="y", labelcolor=LOSS_COLOR)
+    loss_axis.grid(True, alpha=0.25)
+    accuracy_axis = loss_axis.twinx()
+    accuracy_axis.plot(steps, [r["accuracy"] for r in records], marker="s", markersize=3, color=ACCURACY_COLOR)
+    accuracy_axis.set_ylabel("batch accuracy", color=ACCURACY_COLOR)
+    accuracy_axis.tick_params(axis="y", labelcolor=ACCURACY_COLOR)
+    accuracy_axis.set_ylim(0.0, 1.0)
+    fig.suptitle("Fashion-MNIST training curve")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def confusion(counts: np.ndarray, class_names: Sequence[str], path) -> Path:
+    """Row-normalised confusion matrix with percentages."""
+    counts = np.asarray(counts, dtype=np.float64)
+    fractions = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+    ticks = np.arange(len(class_names))
+    fig, ax = plt.subplots(figsize=(8, 7))
+    image = ax.imshow(fractions, cmap="Blues", vmin=0.0, vmax=1.0)
+    ax.set_xticks(ticks, class_names, rotation=45, ha="right")
+    ax.set_yticks(ticks, class_names)
+    ax.set_xlabel("Predicted label")
+    ax.set_ylabel("True label")
+    ax.set_title("Fashion-MNIST confusion matrix (all test images)")
+    fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04, label="fraction of true class")
+    for i in ticks:
+        for j in ticks:
+            value = fractions[i, j]
+            if value >= 0.01 or i == j:
+                ax.text(j, i, f"{100 * value:.0f}%", ha="center", va="center", fontsize=8,
+                        color="white" if value > 0.45 else "black")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def image_grid(images_u8: np.ndarray, true_labels, predicted, class_names: Sequence[str], path,
+               title: str, notes: Sequence[str] | None = None) -> Path:
+    """5 x 5 images titled with predicted and true names, green when right, red when wrong."""
+    fig, axes = plt.subplots(5, 5, figsize=(10, 10.5))
+    for k, ax in enumerate(axes.flat):
+        ax.axis("off")
+        if k >= len(images_u8):
+            continue
+        right = int(true_labels[k]) == int(predicted[k])
+        ax.imshow(images_u8[k], cmap="gray")
+        extra = f"\n{notes[k]}" if notes is not None else ""
+        ax.set_title(f"pred: {class_names[int(predicted[k])]}\ntrue: {class_names[int(true_labels[k])]}{extra}",
+                     fontsize=8, color=RIGHT if right else WRONG)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def bars(labels: Sequence[str], values: Sequence[float], title: str, unit: str, path) -> Path:
+    """Horizontal bar chart, one bar per label."""
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(labels) + 1.4))
+    positions = np.arange(len(labels))
+    ax.barh(positions, values, color=RIGHT)
+    ax.set_yticks(positions, labels)
+    ax.invert_yaxis()
+    ax.set_xlabel(unit)
+    ax.set_title(title)
+    for y, value in zip(positions, values, strict=True):
+        ax.text(value, y, f" {value:,.0f}", va="center", fontsize=8)
+    ax.grid(True, axis="x", alpha=0.25)
+    fig.tight_layout()
+    return _save(fig, path)

@@ -1,0 +1,279 @@
+"""The training core: TrainState, the pure step, the scanned chunk, and fit().
+
+Everything under jit is a pure function of PyTrees. The host loop dispatches one compiled chunk of
+`log_every` steps at a time and reads metrics only at chunk ends (the log points).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fashionjax import artifacts, distributed, models
+from fashionjax.config import TrainConfig
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar: steps taken so far
+    params: Any
+    opt_state: Any
+
+
+class Diverged(RuntimeError):
+    """The loss or gradient stopped being finite."""
+
+    def __init__(self, step: int):
+        super().__init__(f"diverged at step {step}: the loss or gradient norm is not finite")
+        self.step = step
+
+
+class Interrupted(Exception):
+    """A signal asked the run to stop; the state was checkpointed first."""
+
+    def __init__(self, signum: int, step: int):
+        super().__init__(f"interrupted by signal {signum} at step {step}")
+        self.signum = signum
+        self.step = step
+
+
+def compute_dtype(name: str):
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
+
+
+def make_optimizer(config: TrainConfig, total_steps: int) -> optax.GradientTransformation:
+    """The optax chain for a config; the schedule's position lives in the optimizer state."""
+    if config.schedule == "cosine":
+        warmup = min(config.warmup_steps, max(total_steps - 1, 0))
+        learning_rate = optax.warmup_cosine_decay_schedule(
+            0.0, config.lr, warmup_steps=warmup, decay_steps=max(total_steps, warmup + 1), end_value=0.0)
+    else:
+        learning_rate = config.lr
+    if config.optimizer == "adamw":
+        optimizer = optax.adamw(learning_rate, weight_decay=config.weight_decay)
+    elif config.optimizer == "adam":
+        optimizer = optax.adam(learning_rate)
+    else:
+        optimizer = optax.chain(optax.add_decayed_weights(config.weight_decay),
+                                optax.sgd(learning_rate, momentum=config.momentum))
+    if config.clip_norm is not None:
+        optimizer = optax.chain(optax.clip_by_global_norm(config.clip_norm), optimizer)
+    return optimizer
+
+
+def scale_images(images_u8):
+    """uint8 pixels to float32 in [0, 1]; runs inside the compiled step."""
+    return images_u8.astype(jnp.float32) / 255.0
+
+
+def loss_and_accuracy(params, images_u8, labels, model: models.Model, dtype):
+    logits = model.apply(params, scale_images(images_u8), dtype)  # (batch, 10) float32
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == labels)
+    return loss, accuracy
+
+
+def make_train_step(model: models.Model, optimizer: optax.GradientTransformation, dtype) -> Callable:
+    """train_step(state, images_u8, labels) -> (state, metrics); pure, metrics stay on the device."""
+    grad_fn = jax.value_and_grad(partial(loss_and_accuracy, model=model, dtype=dtype), has_aux=True)
+
+    def train_step(state: TrainState, images_u8, labels):
+        (loss, accuracy), grads = grad_fn(state.params, images_u8, labels)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "accuracy": accuracy, "grad_norm": optax.global_norm(grads)}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    return train_step
+
+
+def init_state(model: models.Model, optimizer, seed: int) -> tuple[TrainState, jax.Array]:
+    """Fresh state and the data-order key, both from one root key split by purpose."""
+    init_key, data_key = jax.random.split(jax.random.key(seed))
+    params = model.init(init_key)
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params)), data_key
+
+
+def perms_per_chunk(chunk_steps: int, steps_per_epoch: int) -> int:
+    """How many epoch orders a chunk of this length can touch."""
+    return chunk_steps // steps_per_epoch + 2
+
+
+def epoch_permutations(data_key, first_epoch: int, count: int, num_examples: int):
+    """The example order of epochs first_epoch .. first_epoch+count-1: (count, num_examples) int32.
+
+    The order depends only on (seed, epoch), never on the device count or on where a run resumed.
+    """
+    def one(epoch):
+        return jax.random.permutation(jax.random.fold_in(data_key, epoch), num_examples).astype(jnp.int32)
+
+    return jax.vmap(one)(first_epoch + jnp.arange(count))
+
+
+def make_chunk(train_step: Callable, num_steps: int, steps_per_epoch: int, batch_size: int, mesh):
+    """run_chunk(state, perms, first_epoch, images_u8, labels) -> (state, metrics of every step)."""
+    batch_sharding = distributed.batch_sharded(mesh)
+
+    def run_chunk(state: TrainState, perms, first_epoch, images_u8, labels):
+        def body(state, _):
+            epoch = state.step // steps_per_epoch
+            offset = (state.step % steps_per_epoch) * batch_size
+            order = perms[epoch - first_epoch]
+            indices = jax.lax.dynamic_slice(order, (offset,), (batch_size,))
+            batch_images = jax.lax.with_sharding_constraint(images_u8[indices], batch_sharding)  # (B, 784)
+            batch_labels = jax.lax.with_sharding_constraint(labels[indices], batch_sharding)
+            return train_step(state, batch_images, batch_labels)
+
+        return jax.lax.scan(body, state, None, length=num_steps)
+
+    return run_chunk
+
+
+@dataclasses.dataclass
+class Hooks:
+    """What the caller (the CLI) wants to hear about, and when it wants to stop."""
+
+    on_log: Callable[[dict], None] = lambda record: None
+    stop_signal: Callable[[], int | None] = lambda: None  # a pending signal number, or None
+    on_note: Callable[[str], None] = lambda message: None
+
+
+@dataclasses.dataclass
+class FitResult:
+    state: TrainState
+    total_steps: int
+    steps_per_epoch: int
+    compile_seconds: float
+    train_seconds: float
+    steady_examples_per_sec: float | None
+    final_train_loss: float | None
+    wall_seconds: float
+
+
+class _Clock:
+    """Steady-state throughput: every chunk but the first one this process ran (warm-up)."""
+
+    def __init__(self):
+        self.chunks = 0
+        self.examples = 0
+        self.seconds = 0.0
+        self.total_seconds = 0.0
+
+    def add(self, examples: int, seconds: float) -> None:
+        self.chunks += 1
+        self.total_seconds += seconds
+        if self.chunks > 1:
+            self.examples += examples
+            self.seconds += seconds
+
+    def rate(self) -> float | None:
+        return self.examples / self.seconds if self.seconds > 0 else None
+
+
+def fit(
+    config: TrainConfig,
+    train_images_u8: np.ndarray,
+    train_labels: np.ndarray,
+    mesh=None,
+    metrics_path: Path | None = None,
+    checkpointer=None,
+    hooks: Hooks | None = None,
+) -> FitResult:
+    """Train from scratch or from the checkpointer's latest checkpoint; see the module docstring."""
+    started = time.perf_counter()
+    hooks = hooks or Hooks()
+    mesh = mesh if mesh is not None else distributed.make_mesh("all")
+    distributed.check_batch(config.batch_size, mesh)
+    model = models.get(config.model)
+    num_examples = int(train_images_u8.shape[0])
+    steps_per_epoch = num_examples // config.batch_size
+    total_steps = config.total_steps(num_examples)
+    optimizer = make_optimizer(config, total_steps)
+    train_step = make_train_step(model, optimizer, compute_dtype(config.dtype))
+
+    state, data_key = init_state(model, optimizer, config.seed)
+    if checkpointer is not None and checkpointer.latest_step() is not None:
+        state = checkpointer.restore(state)
+    state = distributed.replicate_tree(state, mesh)
+    images_u8 = distributed.put_replicated(train_images_u8.reshape(num_examples, -1), mesh)  # (N, 784) uint8
+    labels = distributed.put_replicated(train_labels.astype(np.int32), mesh)
+
+    step = int(distributed.fetch(state.step))  # deliberate sync: once, before the loop
+    replicated = distributed.replicated(mesh)
+    compiled: dict[int, Any] = {}
+    compile_seconds = 0.0
+    perm_count = perms_per_chunk(config.log_every, steps_per_epoch)
+    permutations = jax.jit(epoch_permutations, static_argnums=(2, 3), out_shardings=replicated)
+    perms, perms_epoch = None, None
+    clock = _Clock()
+    last_loss = None
+    while step < total_steps:
+        end = min((step // config.log_every + 1) * config.log_every, total_steps)
+        num_steps = end - step
+        first_epoch = step // steps_per_epoch
+        if perms_epoch != first_epoch:
+            perms = permutations(data_key, first_epoch, perm_count, num_examples)
+            perms_epoch = first_epoch
+        args = (state, perms, distributed.put_replicated(np.int32(first_epoch), mesh), images_u8, labels)
+        if num_steps not in compiled:
+            tic = time.perf_counter()
+            chunk = make_chunk(train_step, num_steps, steps_per_epoch, config.batch_size, mesh)
+            compiled[num_steps] = jax.jit(
+                chunk, in_shardings=replicated, out_shardings=replicated, donate_argnums=0,
+            ).lower(*args).compile()
+            compile_seconds += time.perf_counter() - tic
+        tic = time.perf_counter()
+        state, chunk_metrics = compiled[num_steps](*args)
+        jax.block_until_ready((state, chunk_metrics))  # fence: the clock stops when the work is done
+        seconds = time.perf_counter() - tic
+        clock.add(num_steps * config.batch_size, seconds)
+        host_metrics = distributed.fetch(chunk_metrics)  # deliberate sync: the log point
+        _check_finite(host_metrics, step)
+        step = end
+        record = {
+            "step": step,
+            "epoch": round(step / steps_per_epoch, 4),
+            "loss": float(host_metrics["loss"].mean()),
+            "accuracy": float(host_metrics["accuracy"].mean()),
+            "grad_norm": float(host_metrics["grad_norm"].mean()),
+            "examples_per_sec": num_steps * config.batch_size / seconds,
+            "elapsed_s": time.perf_counter() - started,
+        }
+        last_loss = float(host_metrics["loss"][-1])
+        if metrics_path is not None and jax.process_index() == 0:
+            artifacts.append_jsonl(metrics_path, [record])
+        hooks.on_log(record)
+        signum = hooks.stop_signal()
+        if checkpointer is not None and (signum is not None or end == total_steps
+                                         or checkpointer.due(step, num_steps, steps_per_epoch)):
+            checkpointer.save(step, state)
+        if signum is not None and step < total_steps:
+            raise Interrupted(signum, step)
+
+    return FitResult(
+        state=state, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+        compile_seconds=compile_seconds, train_seconds=clock.total_seconds,
+        steady_examples_per_sec=clock.rate(), final_train_loss=last_loss,
+        wall_seconds=time.perf_counter() - started,
+    )
+
+
+def _check_finite(host_metrics: dict, first_step: int) -> None:
+    finite = np.isfinite(host_metrics["loss"]) & np.isfinite(host_metrics["grad_norm"])
+    if not finite.all():
+        raise Diverged(first_step + int(np.argmin(finite)) + 1)
+
+
+def params_digest(params) -> str:
+    """SHA-256 of the parameters' bytes in sorted leaf-path order."""
+    host = distributed.fetch(params)
+    named = [(jax.tree_util.keystr(path), leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(host)]
+    return artifacts.digest_arrays(named)
