@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import idx_images, idx_labels, write_synthetic_files
+
 from fashionjax import data
 
 TRAIN_IMAGES = "train-images-idx3-ubyte.gz"

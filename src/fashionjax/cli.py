@@ -103,7 +103,13 @@ class Output:
 
     def note(self, message: str) -> None:
         if not self.quiet:
-            self.errors.print(message, markup=False)
+            self.error(message)
+
+    @staticmethod
+    def error(message: str) -> None:
+        """One plain line on stderr: never wrapped, never styled."""
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
 
     def show(self, renderable) -> None:
         if not self.quiet or not self.json:
@@ -143,8 +149,8 @@ def cmd_doctor(args, out: Output) -> int:
                     [(d["id"], d["platform"], d["kind"], _bytes(d["memory_bytes"])) for d in info["devices"]]))
     out.document(info)
     if args.require_gpu and not has_gpu:
-        out.errors.print(f"fashionjax doctor: no GPU visible (backend is {info['backend']}); "
-                         "install with the cuda extra: pip install 'fashionjax[cuda]'", markup=False)
+        out.error(f"fashionjax doctor: no GPU visible (backend is {info['backend']}); "
+                         "install with the cuda extra: pip install 'fashionjax[cuda]'")
         return EXIT_FAILURE
     return EXIT_OK
 
@@ -244,8 +250,8 @@ def cmd_train(args, out: Output) -> int:
             summary = run_lib.train_and_evaluate(config, dataset, run_dir, mesh, resume=args.resume, hooks=hooks)
         except train_lib.Interrupted as stop:
             progress.close()
-            out.errors.print(f"fashionjax train: interrupted at step {stop.step}, checkpoint saved; resume with: "
-                             f"fashionjax train --resume --run-dir {run_dir}", markup=False)
+            out.error(f"fashionjax train: interrupted at step {stop.step}, checkpoint saved; resume with: "
+                             f"fashionjax train --resume --run-dir {run_dir}")
             return 128 + stop.signum
     if run_lib.is_writer():
         _render_report(run_dir, out)
@@ -362,17 +368,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args, out)
     except KeyboardInterrupt:
-        out.errors.print(f"fashionjax {args.command}: interrupted", markup=False)
+        out.error(f"fashionjax {args.command}: interrupted")
         return 130
     except Exception as err:
         if debug:
             raise
         code = exit_code(err)
-        out.errors.print(f"fashionjax {args.command}: {err}", markup=False)
+        out.error(f"fashionjax {args.command}: {err}")
         return code
     finally:
         if debug:
-            out.errors.print(f"[{time.perf_counter() - started:.2f}s]", markup=False)
+            out.error(f"[{time.perf_counter() - started:.2f}s]")
 
 
 def exit_code(err: Exception) -> int:

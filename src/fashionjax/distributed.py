@@ -75,11 +75,13 @@ def batch_sharded(mesh):
 
 
 def put_replicated(host_array: np.ndarray, mesh):
-    """Place a host array on every device of the mesh, in one or many processes."""
+    """Place a host array on every device of the mesh, in one or many processes (an explicit copy).
+
+    With several processes every one of them must pass the same values.
+    """
     import jax
 
-    host_array = np.asarray(host_array)
-    return jax.make_array_from_callback(host_array.shape, replicated(mesh), lambda index: host_array[index])
+    return jax.device_put(np.asarray(host_array), replicated(mesh))
 
 
 def replicate_tree(tree, mesh):

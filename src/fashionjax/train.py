@@ -89,7 +89,7 @@ def make_train_step(model: models.Model, optimizer: optax.GradientTransformation
         (loss, accuracy), grads = grad_fn(state.params, images_u8, labels)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "accuracy": accuracy, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss, "accuracy": accuracy, "grad_norm": optax.tree.norm(grads)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return train_step
@@ -219,23 +219,25 @@ def fit(
         end = min((step // config.log_every + 1) * config.log_every, total_steps)
         num_steps = end - step
         first_epoch = step // steps_per_epoch
-        if perms_epoch != first_epoch:
-            perms = permutations(data_key, first_epoch, perm_count, num_examples)
-            perms_epoch = first_epoch
-        args = (state, perms, distributed.put_replicated(np.int32(first_epoch), mesh), images_u8, labels)
-        if num_steps not in compiled:
+        with jax.transfer_guard("disallow"):  # the hot path: any implicit host<->device copy is a bug
+            epoch_index = distributed.put_replicated(np.int32(first_epoch), mesh)
+            if perms_epoch != first_epoch:
+                perms = permutations(data_key, epoch_index, perm_count, num_examples)
+                perms_epoch = first_epoch
+            args = (state, perms, epoch_index, images_u8, labels)
+            if num_steps not in compiled:
+                tic = time.perf_counter()
+                chunk = make_chunk(train_step, num_steps, steps_per_epoch, config.batch_size, mesh)
+                compiled[num_steps] = jax.jit(
+                    chunk, in_shardings=replicated, out_shardings=replicated, donate_argnums=0,
+                ).lower(*args).compile()
+                compile_seconds += time.perf_counter() - tic
             tic = time.perf_counter()
-            chunk = make_chunk(train_step, num_steps, steps_per_epoch, config.batch_size, mesh)
-            compiled[num_steps] = jax.jit(
-                chunk, in_shardings=replicated, out_shardings=replicated, donate_argnums=0,
-            ).lower(*args).compile()
-            compile_seconds += time.perf_counter() - tic
-        tic = time.perf_counter()
-        state, chunk_metrics = compiled[num_steps](*args)
-        jax.block_until_ready((state, chunk_metrics))  # fence: the clock stops when the work is done
-        seconds = time.perf_counter() - tic
+            state, chunk_metrics = compiled[num_steps](*args)
+            jax.block_until_ready((state, chunk_metrics))  # fence: the clock stops when the work is done
+            seconds = time.perf_counter() - tic
+            host_metrics = distributed.fetch(chunk_metrics)  # deliberate sync: the log point
         clock.add(num_steps * config.batch_size, seconds)
-        host_metrics = distributed.fetch(chunk_metrics)  # deliberate sync: the log point
         _check_finite(host_metrics, step)
         step = end
         record = {

@@ -1,0 +1,65 @@
+"""One contract over every registered model, and the FLOPs arithmetic by hand."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fashionjax import config, models, train
+
+
+@pytest.mark.parametrize("name", sorted(models.REGISTRY))
+def test_model_contract(name):
+    model = models.get(name)
+    params = model.init(jax.random.key(0))
+    images = jax.random.uniform(jax.random.key(1), (4, 28, 28))
+    for dtype in (jnp.float32, jnp.bfloat16):
+        logits = model.apply(params, images, dtype)
+        assert logits.shape == (4, 10) and logits.dtype == jnp.float32
+    assert all(leaf.dtype == jnp.float32 for leaf in jax.tree_util.tree_leaves(params))
+
+    images_u8 = (np.asarray(images) * 255).astype(np.uint8)
+    labels = jnp.arange(4) % 10
+
+    def loss(p):
+        return train.loss_and_accuracy(p, images_u8, labels, model, jnp.float32)[0]
+
+    grads = jax.grad(loss)(params)
+    value, grads_too = jax.value_and_grad(loss)(params)
+    assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(params)
+    for g, p in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(params), strict=True):
+        assert g.shape == p.shape
+    difference = sum(float(jnp.abs(a - b).max()) for a, b in
+                     zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(grads_too), strict=True))
+    assert difference == 0.0
+    assert np.isfinite(float(value))
+    assert model.train_flops_per_example > 0 and model.tokens_per_example == 49
+
+
+def test_registry_matches_config_choices():
+    assert tuple(models.REGISTRY) == config.MODELS
+
+
+def test_mlp_is_the_codelab_model():
+    params = models.mlp_init(jax.random.key(0))
+    assert models.count_params(params) == 235_146
+    assert {k: v.shape for k, v in params.items()} == {
+        "w1": (784, 256), "b1": (256,), "w2": (256, 128), "b2": (128,), "w3": (128, 10), "b3": (10,)}
+    assert all(float(jnp.abs(params[b]).max()) == 0.0 for b in ("b1", "b2", "b3"))
+    # He-normal: the standard deviation of w1 is sqrt(2 / 784) ~ 0.0505.
+    assert abs(float(params["w1"].std()) - (2 / 784) ** 0.5) < 0.002
+
+
+def test_mlp_flops_by_hand():
+    forward = 2 * (784 * 256 + 256 * 128 + 128 * 10)  # 469,504
+    weight_grads = forward
+    input_grads = 2 * (256 * 128 + 128 * 10)  # the first layer's input (the image) needs no gradient
+    assert models.get("mlp").train_flops_per_example == forward + weight_grads + input_grads == 1_007_104
+
+
+def test_cnn_flops_by_hand():
+    macs = [28 * 28 * 9 * 1 * 32, 14 * 14 * 9 * 32 * 64, 7 * 7 * 64 * 256, 256 * 10]
+    expected = 2 * sum(macs) * 2 + 2 * sum(macs[1:])
+    assert models.get("cnn").train_flops_per_example == expected
