@@ -30,11 +30,11 @@ class ResumeError(RuntimeError):
     """A resume that would not continue the same run."""
 
 
-def _manager(directory: Path, keep: int = 3, read_only: bool = False) -> ocp.CheckpointManager:
+def _manager(directory: Path, keep: int = 3, writer: bool = True) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=not read_only, read_only=read_only,
+        max_to_keep=keep, create=writer,
         enable_async_checkpointing=False,  # the next chunk donates these buffers: save must finish first
-        cleanup_tmp_directories=not read_only,  # a save killed half-way leaves only a tmp dir: remove it
+        cleanup_tmp_directories=writer,  # a save killed half-way leaves only a tmp dir: remove it
     )
     return ocp.CheckpointManager(directory.absolute(), options=options)
 
@@ -100,7 +100,7 @@ def read_meta(checkpoint_dir: str | Path) -> dict | None:
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         return None
-    manager = _manager(checkpoint_dir, read_only=True)
+    manager = _manager(checkpoint_dir, writer=False)
     try:
         step = manager.latest_step()
         if step is None:

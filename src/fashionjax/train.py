@@ -238,20 +238,20 @@ def fit(
             seconds = time.perf_counter() - tic
             host_metrics = distributed.fetch(chunk_metrics)  # deliberate sync: the log point
         clock.add(num_steps * config.batch_size, seconds)
-        _check_finite(host_metrics, step)
-        step = end
         record = {
-            "step": step,
-            "epoch": round(step / steps_per_epoch, 4),
+            "step": end,
+            "epoch": round(end / steps_per_epoch, 4),
             "loss": float(host_metrics["loss"].mean()),
             "accuracy": float(host_metrics["accuracy"].mean()),
             "grad_norm": float(host_metrics["grad_norm"].mean()),
             "examples_per_sec": num_steps * config.batch_size / seconds,
             "elapsed_s": time.perf_counter() - started,
         }
-        last_loss = float(host_metrics["loss"][-1])
         if metrics_path is not None and jax.process_index() == 0:
-            artifacts.append_jsonl(metrics_path, [record])
+            artifacts.append_jsonl(metrics_path, [record])  # kept even when this chunk diverged
+        _check_finite(host_metrics, step)
+        step = end
+        last_loss = float(host_metrics["loss"][-1])
         hooks.on_log(record)
         signum = hooks.stop_signal()
         if checkpointer is not None and (signum is not None or end == total_steps
