@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import synthetic_dataset
+
 from fashionjax import artifacts, checkpoint, cli, data
 
 pytestmark = pytest.mark.slow
@@ -88,7 +88,8 @@ def test_sigkill_then_resume_is_bit_identical(kill_point, reference, tmp_path):
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=30)
     if kill_point == "mid-checkpoint-write":
-        assert checkpoint.read_meta(run_dir / "checkpoints")["step"] == 60  # the half-written one never counts
+        # The half-written one never counts (120 only if its rename won the race with the kill).
+        assert checkpoint.read_meta(run_dir / "checkpoints")["step"] in (60, 120)
     summary = resume(run_dir)
     assert summary["params_digest"] == reference["digest"]
     assert steps_of(run_dir) == reference["steps"]  # no duplicated or missing log points

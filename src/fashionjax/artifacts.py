@@ -24,6 +24,10 @@ from fashionjax.config import ConfigError
 RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "eval.json", "report.html", "checkpoints")
 
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 class RunDirError(Exception):
     """The run directory cannot be used as asked."""
 
@@ -32,6 +36,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; artifacts are for sharing
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     eval_cmd.add_argument("run_dir", help="a run directory written by `fashionjax train`")
     _data_flags(eval_cmd)
     _common(eval_cmd)
+
+    report_cmd = sub.add_parser("report", help="write RUN_DIR/report.html from the run's saved files")
+    report_cmd.add_argument("run_dir", help="a run directory written by `fashionjax train`")
+    report_cmd.add_argument("--bench", help="a bench.json to include (default: RUN_DIR/bench.json if present)")
+    _common(report_cmd)
     return parser
 
 
@@ -260,12 +265,26 @@ def cmd_train(args, out: Output) -> int:
     return EXIT_OK
 
 
-def _render_report(run_dir: Path, out: Output) -> None:
-    try:
-        from fashionjax.report import render
-    except ImportError:
-        return
-    out.note(f"report: {render.render(run_dir)}")
+def _render_report(run_dir: Path, out: Output) -> Path:
+    from fashionjax.report import render
+
+    path = render.render(run_dir)
+    out.note(f"report: {path}")
+    return path
+
+
+def cmd_report(args, out: Output) -> int:
+    from fashionjax.report import render
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.json").is_file():
+        raise ConfigError(f"{run_dir}: not a run directory (no config.json)")
+    if args.bench and not Path(args.bench).is_file():
+        raise ConfigError(f"{args.bench}: no such bench.json")
+    path = render.render(run_dir, args.bench)
+    out.show(f"report: {path}")
+    out.document({"report": str(path)})
+    return EXIT_OK
 
 
 def _show_summary(out: Output, summary: dict, run_dir: Path) -> None:
@@ -351,7 +370,8 @@ def _enable_compile_cache() -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-COMMANDS = {"doctor": cmd_doctor, "data": cmd_data, "train": cmd_train, "eval": cmd_eval}
+COMMANDS = {"doctor": cmd_doctor, "data": cmd_data, "train": cmd_train, "eval": cmd_eval,
+            "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

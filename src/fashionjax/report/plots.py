@@ -28,7 +28,7 @@ def _save(fig, path: str | Path) -> Path:
 
 def samples(images_u8: np.ndarray, labels: np.ndarray, class_names: Sequence[str], path) -> Path:
     """One training example per class, 2 x 5, titled with the class name."""
-    fig, axes = plt.subplots(2, 5, figsize=(10, 4.4))
+    fig, axes = plt.subplots(2, 5, figsize=(10, 4.8))
     for label, ax in enumerate(axes.flat):
         matches = np.flatnonzero(labels == label)
         if len(matches):

@@ -1,0 +1,1 @@
+"""Figures and the HTML report, built from a run's saved artifacts only (no JAX, no training code)."""

@@ -1,0 +1,102 @@
+"""report.html: one self-contained file (inline CSS, PNGs as data URIs, no scripts, no requests)."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import jinja2
+
+from fashionjax import artifacts
+
+# Published reference points (Fashion-MNIST benchmark, zalandoresearch/fashion-mnist README and
+# its benchmark page), and the codelab's own short run.
+REFERENCES = (
+    ("Human performance (published)", 0.835),
+    ("scikit-learn MLPClassifier (published benchmark)", 0.870),
+    ("scikit-learn SVC (published benchmark)", 0.897),
+    ("Codelab 400-step MLP (its 9,728 trimmed test images, about 87-88%)", 0.875),
+)
+SECTIONS = ("environment", "dataset", "model", "training", "evaluation", "benchmark")
+FIGURES = ("samples", "curve", "confusion", "predictions", "mistakes")
+
+
+def _data_uri(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode("ascii")
+
+
+def _optional_json(path: Path):
+    return artifacts.read_json(path) if path.is_file() else None
+
+
+def load_bench(run_dir: Path, bench: str | Path | None) -> tuple[dict | None, dict]:
+    """bench.json (given, or in the run directory) and its charts as data URIs."""
+    path = Path(bench) if bench else run_dir / "bench.json"
+    document = _optional_json(path)
+    charts = {}
+    if document is not None:
+        for name in document.get("charts", []):
+            uri = _data_uri(path.parent / name)
+            if uri:
+                charts[name] = uri
+    return document, charts
+
+
+def context(run_dir: str | Path, bench: str | Path | None = None) -> dict:
+    """Everything the template shows, read from the run directory."""
+    run_dir = Path(run_dir)
+    config = artifacts.read_json(run_dir / "config.json")
+    summary = _optional_json(run_dir / "summary.json")
+    evaluation = _optional_json(run_dir / "eval.json")
+    bench_document, bench_charts = load_bench(run_dir, bench)
+    class_names = config["dataset"]["class_names"]
+    per_class = []
+    if evaluation:
+        for i, name in enumerate(class_names):
+            row = evaluation["confusion"][i]
+            per_class.append({"name": name, "precision": evaluation["precision"][i],
+                              "recall": evaluation["recall"][i], "support": sum(row)})
+    return {
+        "run_dir": run_dir.name,
+        "config": config,
+        "summary": summary,
+        "evaluation": evaluation,
+        "per_class": per_class,
+        "class_names": class_names,
+        "metrics": artifacts.read_jsonl(run_dir / "metrics.jsonl"),
+        "figures": {name: _data_uri(run_dir / f"{name}.png") for name in FIGURES},
+        "references": REFERENCES,
+        "bench": bench_document,
+        "bench_charts": bench_charts,
+        "sections": SECTIONS,
+    }
+
+
+def _environment():
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("fashionjax.report", "templates"),
+        autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True,
+    )
+
+
+def _pct(value) -> str:
+    return "n/a" if value is None else f"{100 * value:.2f}%"
+
+
+def _num(value, digits: int = 0) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:,.{digits}f}"
+
+
+def render(run_dir: str | Path, bench: str | Path | None = None) -> Path:
+    """Write RUN_DIR/report.html atomically and return its path."""
+    environment = _environment()
+    environment.filters["pct"] = _pct
+    environment.filters["num"] = _num
+    html = environment.get_template("report.html.j2").render(**context(run_dir, bench))
+    target = Path(run_dir) / "report.html"
+    artifacts.atomic_write_text(target, html)
+    return target

@@ -1,0 +1,108 @@
+"""The HTML report: self-contained, escaped, built from files only, and checked in a real browser."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import synthetic_dataset
+
+from fashionjax import artifacts, cli, data
+from fashionjax.report import render
+
+CHROMIUM_CANDIDATES = ("/usr/lib/chromium/chromium", "/usr/bin/chromium", "/usr/bin/chromium-browser")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A real (small, synthetic-data) training run with every artifact and its report."""
+    directory = tmp_path_factory.mktemp("report") / "run"
+    dataset = synthetic_dataset(num_train=1024, num_test=400)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        patch.setattr(data, "load", lambda *a, **k: dataset)
+        assert cli.main(["train", "--steps", "20", "--batch-size", "64", "--log-every", "5",
+                         "--run-dir", str(directory), "--quiet"]) == 0
+    return directory
+
+
+def test_train_writes_a_self_contained_report(run_dir):
+    html = (run_dir / "report.html").read_text()
+    for section in ("environment", "dataset", "model", "training", "evaluation"):
+        assert f'<section id="{section}">' in html
+    assert html.count("data:image/png;base64,") == 5
+    assert "http://" not in html and "https://" not in html and "<script" not in html
+    assert "Human performance (published)" in html and "89.70%" in html
+
+
+def test_values_are_escaped(run_dir, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    config = artifacts.read_json(copy / "config.json")
+    config["dataset"]["class_names"][0] = "<script>alert(1)</script>"
+    artifacts.atomic_write_json(copy / "config.json", config)
+    html = render.render(copy).read_text()
+    assert "<script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+
+
+def test_report_code_imports_no_jax(run_dir):
+    code = ("import sys\nfrom fashionjax.report import render\n"
+            f"render.render({str(run_dir)!r})\n"
+            "bad = [m for m in sys.modules if m == 'jax' or m.startswith(('jax.', 'fashionjax.train', 'optax'))]\n"
+            "assert not bad, bad\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+
+
+def test_report_command_includes_a_bench_file(run_dir, tmp_path, capsys):
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    bench = {"model": "mlp", "environment": {"device_kind": "cpu", "backend": "cpu", "matmul_precision": "default"},
+             "peak": {"source": "measured"}, "tokens_assumption": "one image = 49 tokens", "notes": ["a note"],
+             "charts": [], "cases": [{"mode": "fused", "dtype": "float32", "batch_size": 512, "compile_seconds": 1.0,
+                                      "examples_per_sec": {"median": 1000.0, "min": 900.0, "max": 1100.0},
+                                      "final_loss": 0.5, "final_accuracy": 0.8, "mfu": 0.5, "tokens_per_sec": 49000.0}]}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    assert cli.main(["report", str(copy), "--bench", str(tmp_path / "bench.json")]) == 0
+    html = (copy / "report.html").read_text()
+    assert '<section id="benchmark">' in html and "49,000" in html
+    assert cli.main(["report", str(tmp_path / "nowhere")]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+
+
+def chromium_path() -> str | None:
+    return next((p for p in CHROMIUM_CANDIDATES if Path(p).is_file()), None)
+
+
+@pytest.mark.browser
+def test_report_in_a_real_browser(run_dir, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    executable = chromium_path()
+    if executable is None:
+        pytest.skip("no chromium here: apt-get install chromium (CI does)")
+    console_errors, failed_requests, requests = [], [], []
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=["--no-sandbox"], timeout=60_000)
+        try:
+            page = browser.new_page(java_script_enabled=True)
+            page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: console_errors.append(str(e)))
+            page.on("requestfailed", lambda r: failed_requests.append(r.url))
+            page.on("request", lambda r: requests.append(r.url))
+            page.goto((run_dir / "report.html").as_uri(), wait_until="load", timeout=60_000)
+            images = page.eval_on_selector_all("img", "els => els.map(e => [e.complete, e.naturalWidth])")
+            sections = page.eval_on_selector_all("section", "els => els.map(e => e.id)")
+            accuracy_text = page.inner_text("p.headline")
+            page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+        finally:
+            browser.close()
+    assert console_errors == [] and failed_requests == []
+    assert all(url.startswith(("file://", "data:")) for url in requests)
+    assert len(images) == 5 and all(complete and width > 0 for complete, width in images)
+    assert sections == ["environment", "dataset", "model", "training", "evaluation"]
+    assert "test accuracy" in accuracy_text
+    assert (tmp_path / "report.png").stat().st_size > 50_000
