@@ -85,6 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     _data_flags(eval_cmd)
     _common(eval_cmd)
 
+    bench_cmd = sub.add_parser("bench", help="measure training throughput honestly (modes, dtypes, batches, MFU)")
+    bench_cmd.add_argument("--model", default="mlp", help="model to measure (default mlp)")
+    bench_cmd.add_argument("--batch-sizes", help="comma-separated global batch sizes (default 128,512,2048,8192)")
+    bench_cmd.add_argument("--dtypes", help="comma-separated compute dtypes (default float32,bfloat16)")
+    bench_cmd.add_argument("--steps", type=int, help="timed steps per repeat (default 100)")
+    bench_cmd.add_argument("--repeats", type=int, help="timed repeats per case (default 5)")
+    bench_cmd.add_argument("--quick", action="store_true", help="a smaller sweep that ends within a minute")
+    bench_cmd.add_argument("--devices", default="all", help="how many local devices to use, or 'all'")
+    bench_cmd.add_argument("--out", help="output directory (default runs/bench-<UTC time>)")
+    _data_flags(bench_cmd)
+    _common(bench_cmd)
+
     report_cmd = sub.add_parser("report", help="write RUN_DIR/report.html from the run's saved files")
     report_cmd.add_argument("run_dir", help="a run directory written by `fashionjax train`")
     report_cmd.add_argument("--bench", help="a bench.json to include (default: RUN_DIR/bench.json if present)")
@@ -103,7 +115,9 @@ class Output:
 
         self.json = getattr(args, "json", False)
         self.quiet = getattr(args, "quiet", False)
-        self.console = Console(stderr=self.json, highlight=False)
+        stream = sys.stderr if self.json else sys.stdout
+        # Off a terminal rich assumes 80 columns; tables of figures need more than that.
+        self.console = Console(stderr=self.json, highlight=False, width=None if stream.isatty() else 160)
         self.errors = Console(stderr=True, highlight=False)
 
     def note(self, message: str) -> None:
@@ -359,6 +373,63 @@ def cmd_eval(args, out: Output) -> int:
     return EXIT_OK
 
 
+def _csv(text: str | None, cast, flag: str):
+    if text is None:
+        return None
+    try:
+        return tuple(cast(item) for item in text.split(",") if item.strip())
+    except ValueError:
+        raise ConfigError(f"{flag}: expected a comma-separated list, got {text!r}") from None
+
+
+def cmd_bench(args, out: Output) -> int:
+    from fashionjax import bench, distributed
+
+    base = bench.quick() if args.quick else bench.BenchConfig()
+    overrides = {"model": args.model, "batch_sizes": _csv(args.batch_sizes, int, "--batch-sizes"),
+                 "dtypes": _csv(args.dtypes, str, "--dtypes"), "steps": args.steps, "repeats": args.repeats}
+    config = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
+    if config.compare_batch not in config.batch_sizes:
+        config = dataclasses.replace(config, compare_batch=config.batch_sizes[0])
+    bench.validate(config, 60000)  # flag faults before loading anything
+    out_dir = Path(args.out) if args.out else Path("runs") / f"bench-{artifacts.utc_stamp()}"
+    artifacts.prepare_run_dir(out_dir, overwrite=True)
+    _enable_compile_cache()
+    dataset = _load_data(args, out)
+    document = bench.run(config, dataset.train.images_u8, dataset.train.labels,
+                         distributed.make_mesh(args.devices), log=out.note)
+    document = bench.write(document, out_dir)
+    _show_bench(out, document)
+    out.show(f"bench.json and charts: {out_dir}")
+    out.document(document)
+    return EXIT_OK
+
+
+def _show_bench(out: Output, document: dict) -> None:
+    cases = document["cases"]
+    best = max(c["examples_per_sec"]["median"] for c in cases)
+    rows = []
+    for c in cases:
+        rate = c["examples_per_sec"]
+        bar = "█" * max(1, round(30 * rate["median"] / best))
+        mfu = "n/a" if c["mfu"] is None else f"{100 * c['mfu']:.1f}%"
+        rows.append((c["mode"], c["dtype"], c["batch_size"], f"{rate['median']:,.0f}",
+                     f"{rate['min']:,.0f}-{rate['max']:,.0f}", f"{c['compile_seconds']:.2f}",
+                     f"{c['final_loss']:.4f}", f"{100 * c['final_accuracy']:.1f}%", mfu,
+                     f"{c['tokens_per_sec']:,.0f}", bar))
+    out.show(_table(f"{document['model']} training throughput (peak: {document['peak']['source']})",
+                    ["mode", "dtype", "batch", "ex/s median", "min-max", "compile s", "loss", "batch acc",
+                     "MFU", "tokens/s (proj.)", ""], rows))
+    out.show(_table("device placement", ["object", "devices"],
+                    [(p["object"], ", ".join(p["devices"])) for p in document["placement"]]))
+    if document["scaling"]:
+        s = document["scaling"]
+        out.show(f"scaling: {s['examples_per_sec_1']:,.0f} ex/s on 1 device, {s['examples_per_sec_n']:,.0f} on "
+                 f"{s['devices']} ({s['per_device_n']:,.0f} per device, efficiency {100 * s['efficiency']:.1f}%)")
+    for note in document["notes"]:
+        out.show(f"note: {note}")
+
+
 def _enable_compile_cache() -> None:
     """A persistent XLA cache under the user cache dir: later runs skip most compiling."""
     if os.environ.get("FASHIONJAX_NO_COMPILE_CACHE"):
@@ -371,7 +442,7 @@ def _enable_compile_cache() -> None:
 
 
 COMMANDS = {"doctor": cmd_doctor, "data": cmd_data, "train": cmd_train, "eval": cmd_eval,
-            "report": cmd_report}
+            "bench": cmd_bench, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:

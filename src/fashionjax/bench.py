@@ -1,0 +1,343 @@
+"""The measuring harness: eager vs jit-step vs fused, float32 vs bfloat16, a batch sweep, MFU,
+the tokens/sec projection, device placement and scaling across devices.
+
+Protocol for every case: compile apart (lower().compile()), one warm-up run, then R timed repeats
+between block_until_ready fences; the loss and batch accuracy of the timed run go beside the speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fashionjax import distributed, environment, models, train
+from fashionjax.config import ConfigError, TrainConfig
+
+MODES = ("eager", "jit-step", "fused")
+CODELAB_LOG_EVERY = 25  # the codelab reads metrics to the host every 25 steps
+
+# Vendor dense peaks in FLOP/s (no sparsity), by device-kind substring, most specific first.
+GPU_PEAKS = (
+    ("H100 PCIe", {"float32": 51.2e12, "tf32": 378e12, "bfloat16": 756e12}),
+    ("H200", {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12}),
+    ("H100", {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12}),
+    ("A100", {"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12}),
+    ("L4", {"float32": 30.3e12, "tf32": 60e12, "bfloat16": 121e12}),
+)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: str = "mlp"
+    batch_sizes: tuple[int, ...] = (128, 512, 2048, 8192)
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    steps: int = 100
+    repeats: int = 5
+    eager_steps: int = 10
+    compare_batch: int = 512  # where eager, jit-step and fused are compared
+
+
+def quick() -> BenchConfig:
+    return BenchConfig(batch_sizes=(512, 2048), steps=25, repeats=3, eager_steps=3)
+
+
+def validate(config: BenchConfig, num_examples: int) -> BenchConfig:
+    if config.model not in models.REGISTRY:
+        raise ConfigError(f"unknown model {config.model!r} (choose from {', '.join(models.REGISTRY)})")
+    for dtype in config.dtypes:
+        if dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"unknown dtype {dtype!r} (choose from float32, bfloat16)")
+    for size in config.batch_sizes:
+        if not 1 <= size <= num_examples:
+            raise ConfigError(f"batch size {size} must be between 1 and {num_examples}")
+    if config.steps < 1 or config.repeats < 1:
+        raise ConfigError("--steps and --repeats must be at least 1")
+    return config
+
+
+def spread(rates: list[float]) -> dict:
+    """Median, min, max and every value of repeated measurements."""
+    return {"median": statistics.median(rates), "min": min(rates), "max": max(rates), "all": rates}
+
+
+def mfu(flops_per_example: int, examples_per_sec: float, peak_flops: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved training FLOP/s over the peak."""
+    if not peak_flops:
+        return None
+    return flops_per_example * examples_per_sec / peak_flops
+
+
+# ---------------------------------------------------------------- peaks
+
+
+def measure_cpu_peak(dtype: str, sizes=(512, 1024, 2048), repeats: int = 3) -> float:
+    """Best matmul FLOP/s over a few square sizes: the 'measured' peak of this machine."""
+    best = 0.0
+    for n in sizes:
+        a = jnp.ones((n, n), dtype=dtype)
+        matmul = jax.jit(lambda x, y: x @ y).lower(a, a).compile()
+        jax.block_until_ready(matmul(a, a))  # warm-up
+        reps = max(1, int(2e9 // (2 * n**3)))  # about 2 GFLOP per timing
+        for _ in range(repeats):
+            tic = time.perf_counter()
+            for _ in range(reps):
+                out = matmul(a, a)
+            jax.block_until_ready(out)
+            best = max(best, reps * 2 * n**3 / (time.perf_counter() - tic))
+    return best
+
+
+def peaks(backend: str, device_kind: str, dtypes) -> dict:
+    """Peak FLOP/s per dtype with its provenance: 'measured' on CPUs, 'spec' on known GPUs."""
+    if backend == "cpu":
+        return {"source": "measured (best matmul of 512/1024/2048 squares, this run)",
+                "flops_per_sec": {d: measure_cpu_peak(d) for d in dtypes}}
+    for needle, table in GPU_PEAKS:
+        if needle in device_kind:
+            # XLA runs float32 matmuls on NVIDIA tensor cores as TF32 at the default precision.
+            tf32 = jax.config.jax_default_matmul_precision in (None, "default", "bfloat16", "tensorfloat32")
+            return {"source": f"spec ({needle} vendor dense peak)",
+                    "float32_matmul": "tf32" if tf32 else "float32",
+                    "flops_per_sec": {"float32": table["tf32" if tf32 else "float32"],
+                                      "bfloat16": table["bfloat16"]}}
+    return {"source": "unknown device: no MFU", "flops_per_sec": {}}
+
+
+# ---------------------------------------------------------------- modes
+
+
+@dataclass
+class Workload:
+    """One model/optimizer/dtype/batch on data already on the device."""
+
+    config: TrainConfig
+    images_u8: jax.Array  # (N, 784) uint8, replicated
+    labels: jax.Array  # (N,) int32
+    mesh: object
+
+    def fresh(self):
+        model = models.get(self.config.model)
+        optimizer = train.make_optimizer(self.config, 10**6)
+        state, data_key = train.init_state(model, optimizer, self.config.seed)
+        step = train.make_train_step(model, optimizer, train.compute_dtype(self.config.dtype))
+        return distributed.replicate_tree(state, self.mesh), data_key, step
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return int(self.images_u8.shape[0]) // self.config.batch_size
+
+
+def _timed(run: Callable[[], tuple], repeats: int, examples_per_run: int) -> tuple[list[float], dict]:
+    """Warm up once, then time `repeats` runs; `run` returns (state..., metrics) already fenced."""
+    run()  # warm-up
+    rates, metrics = [], None
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        metrics = run()
+        rates.append(examples_per_run / (time.perf_counter() - tic))
+    return rates, metrics
+
+
+def fused_runner(work: Workload, steps: int):
+    """The trainer's scanned chunks; returns (compile_seconds, run) with run() -> host metrics."""
+    state, data_key, step_fn = work.fresh()
+    replicated = distributed.replicated(work.mesh)
+    chunk_steps = min(CODELAB_LOG_EVERY, steps)
+    count = train.perms_per_chunk(chunk_steps, work.steps_per_epoch)
+    perms = jax.jit(train.epoch_permutations, static_argnums=(2, 3), out_shardings=replicated)(
+        data_key, 0, count, int(work.images_u8.shape[0]))
+    epoch = distributed.put_replicated(np.int32(0), work.mesh)
+    chunk = train.make_chunk(step_fn, chunk_steps, work.steps_per_epoch, work.config.batch_size, work.mesh)
+    tic = time.perf_counter()
+    compiled = jax.jit(chunk, in_shardings=replicated, out_shardings=replicated, donate_argnums=0).lower(
+        state, perms, epoch, work.images_u8, work.labels).compile()
+    compile_seconds = time.perf_counter() - tic
+    holder = {"state": state, "step": 0}  # the host's copy of the step: no device read needed
+
+    def run():
+        metrics = None
+        for _ in range(steps // chunk_steps):
+            state = holder["state"]
+            if holder["step"] + chunk_steps > count * work.steps_per_epoch:  # rewind within the orders made
+                state = state._replace(step=distributed.put_replicated(np.int32(0), work.mesh))
+                holder["step"] = 0
+            holder["state"], metrics = compiled(state, perms, epoch, work.images_u8, work.labels)
+            holder["step"] += chunk_steps
+        jax.block_until_ready((holder["state"], metrics))
+        return distributed.fetch(metrics)
+
+    return compile_seconds, run, (steps // chunk_steps) * chunk_steps
+
+
+def per_step_runner(work: Workload, steps: int, jit: bool):
+    """The codelab's loop: one step per Python iteration, a host read every 25 steps."""
+    state, _, step_fn = work.fresh()
+    batch = work.config.batch_size
+    num_batches = work.steps_per_epoch
+    images = work.images_u8[: num_batches * batch].reshape(num_batches, batch, -1)  # (nb, B, 784)
+    labels = work.labels[: num_batches * batch].reshape(num_batches, batch)
+    compile_seconds = 0.0
+    if jit:
+        tic = time.perf_counter()
+        step_fn = jax.jit(step_fn, donate_argnums=0).lower(state, images[0], labels[0]).compile()
+        compile_seconds = time.perf_counter() - tic
+    holder = {"state": state, "i": 0}
+
+    def run():
+        metrics = None
+        for k in range(steps):
+            i = holder["i"] % num_batches
+            holder["i"] += 1
+            if jit:
+                holder["state"], metrics = step_fn(holder["state"], images[i], labels[i])
+            else:
+                with jax.disable_jit():
+                    holder["state"], metrics = step_fn(holder["state"], images[i], labels[i])
+            if k % CODELAB_LOG_EVERY == 0:
+                float(metrics["loss"])  # the codelab's deliberate host read at its log points
+        jax.block_until_ready((holder["state"], metrics))
+        return {key: np.asarray(value)[None] for key, value in distributed.fetch(metrics).items()}
+
+    return compile_seconds, run, steps
+
+
+def measure(work: Workload, mode: str, steps: int, repeats: int) -> dict:
+    """One benchmark case: compile apart, warm up, R timed repeats, with quality beside speed."""
+    if mode == "fused":
+        compile_seconds, run, steps_run = fused_runner(work, steps)
+    else:
+        compile_seconds, run, steps_run = per_step_runner(work, steps, jit=(mode == "jit-step"))
+    rates, metrics = _timed(run, repeats, steps_run * work.config.batch_size)
+    return {
+        "mode": mode, "dtype": work.config.dtype, "batch_size": work.config.batch_size,
+        "steps": steps_run, "repeats": repeats, "compile_seconds": compile_seconds,
+        "examples_per_sec": spread(rates),
+        "final_loss": float(metrics["loss"][-1]),
+        "final_accuracy": float(metrics["accuracy"].mean()),
+        "devices": int(work.mesh.devices.size),
+    }
+
+
+def placement(work: Workload) -> list[dict]:
+    """Where the codelab's last table looks: params, optimizer state and batches."""
+    state, _, _ = work.fresh()
+
+    def where(tree):
+        found = set()
+        for leaf in jax.tree_util.tree_leaves(tree):
+            if isinstance(leaf, jax.Array):
+                found.update(str(d) for d in leaf.devices())
+        return sorted(found)
+
+    return [{"object": "parameters", "devices": where(state.params)},
+            {"object": "optimizer state", "devices": where(state.opt_state)},
+            {"object": "training images (uint8)", "devices": where(work.images_u8)},
+            {"object": "training labels", "devices": where(work.labels)}]
+
+
+def run(config: BenchConfig, train_images_u8: np.ndarray, train_labels: np.ndarray, mesh=None,
+        log: Callable[[str], None] = lambda message: None) -> dict:
+    """Every case of a benchmark; returns the bench.json document (without charts)."""
+    mesh = mesh if mesh is not None else distributed.make_mesh("all")
+    num_examples = len(train_labels)
+    validate(config, num_examples)
+    model = models.get(config.model)
+    env = environment.describe(with_git=True)
+    images = distributed.put_replicated(train_images_u8.reshape(num_examples, -1), mesh)
+    labels = distributed.put_replicated(train_labels.astype(np.int32), mesh)
+    base = TrainConfig(model=config.model, schedule="constant", epochs=None, steps=config.steps)
+
+    def work(dtype: str, batch: int, on_mesh=mesh) -> Workload:
+        distributed.check_batch(batch, on_mesh)
+        return Workload(dataclasses.replace(base, dtype=dtype, batch_size=batch), images, labels, on_mesh)
+
+    cases = []
+    for dtype in config.dtypes:
+        for mode in MODES:
+            batches = config.batch_sizes if mode == "fused" else (config.compare_batch,)
+            for batch in batches:
+                steps = config.eager_steps if mode == "eager" else config.steps
+                log(f"{mode} {dtype} batch {batch}: {steps} steps x {config.repeats}")
+                cases.append(measure(work(dtype, batch), mode, steps, config.repeats))
+
+    peak = peaks(env["backend"], env["device_kind"], config.dtypes)
+    for case in cases:
+        rate = case["examples_per_sec"]["median"]
+        case["achieved_flops_per_sec"] = model.train_flops_per_example * rate
+        case["mfu"] = mfu(model.train_flops_per_example, rate, peak["flops_per_sec"].get(case["dtype"]))
+        case["tokens_per_sec"] = rate * model.tokens_per_example
+        case["examples_per_sec_per_device"] = rate / case["devices"]
+
+    return {
+        "model": config.model, "config": dataclasses.asdict(config), "environment": env,
+        "flops_per_example": model.train_flops_per_example,
+        "tokens_per_example": model.tokens_per_example, "tokens_assumption": models.TOKENS_ASSUMPTION,
+        "peak": peak, "cases": cases, "placement": placement(work(config.dtypes[0], config.compare_batch)),
+        "scaling": scaling(config, work, log) if mesh.devices.size > 1 else None,
+        "notes": notes(cases, env),
+    }
+
+
+def scaling(config: BenchConfig, work: Callable, log) -> dict:
+    """Fused float32 at the comparison batch: one device against all of them."""
+    full = work("float32", config.compare_batch)
+    single = work("float32", config.compare_batch, distributed.make_mesh(1))
+    log("scaling: 1 device vs all")
+    one = measure(single, "fused", config.steps, config.repeats)["examples_per_sec"]["median"]
+    many = measure(full, "fused", config.steps, config.repeats)["examples_per_sec"]["median"]
+    devices = int(full.mesh.devices.size)
+    return {"devices": devices, "examples_per_sec_1": one, "examples_per_sec_n": many,
+            "per_device_n": many / devices, "efficiency": many / (devices * one)}
+
+
+def notes(cases: list[dict], env: dict) -> list[str]:
+    """Sentences a reader needs beside the numbers."""
+    out = ["tokens/sec is a projection, not a measurement: these models read whole images, not tokens; "
+           "the figure multiplies examples/sec by " + models.TOKENS_ASSUMPTION + "."]
+    rate = {(c["mode"], c["dtype"], c["batch_size"]): c["examples_per_sec"]["median"] for c in cases}
+    for (mode, dtype, batch), value in rate.items():
+        f32 = rate.get((mode, "float32", batch))
+        if dtype == "bfloat16" and f32 and value < f32:
+            reason = ("CPUs without native bfloat16 matrix units convert to float32 and back around each "
+                      "matmul, so bfloat16 costs extra work there" if env["backend"] == "cpu" else
+                      "a model this small is bound by launch overhead and memory traffic, not matmul speed")
+            out.append(f"bfloat16 was slower than float32 for {mode} at batch {batch} "
+                       f"({value:,.0f} vs {f32:,.0f} examples/sec): {reason}.")
+    return out
+
+
+def case_label(case: dict) -> str:
+    return f"{case['mode']} {case['dtype']} b{case['batch_size']}"
+
+
+def write(document: dict, out_dir) -> dict:
+    """bench.json plus its bar charts (PNG) in out_dir; returns the document with chart names."""
+    from pathlib import Path
+
+    from fashionjax import artifacts
+    from fashionjax.report import plots
+
+    out_dir = Path(out_dir)
+    cases = document["cases"]
+    groups = {
+        "bench_modes.png": ("Examples/sec by mode (batch "
+                            f"{document['config']['compare_batch']})",
+                            [c for c in cases if c["batch_size"] == document["config"]["compare_batch"]]),
+        "bench_batch.png": ("Fused examples/sec by batch size", [c for c in cases if c["mode"] == "fused"]),
+    }
+    charts = []
+    for name, (title, chosen) in groups.items():
+        if chosen:
+            plots.bars([case_label(c) for c in chosen], [c["examples_per_sec"]["median"] for c in chosen],
+                       title, "examples/sec (median)", out_dir / name)
+            charts.append(name)
+    document = dict(document, charts=charts)
+    artifacts.atomic_write_json(out_dir / "bench.json", document)
+    return document

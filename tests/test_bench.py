@@ -1,0 +1,66 @@
+"""The benchmark harness: formulas by hand, the bench.json schema, a tiny run. No timing thresholds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import synthetic_dataset
+from fashionjax import bench, cli, data
+
+
+def test_spread_and_mfu_by_hand():
+    assert bench.spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "all": [3.0, 1.0, 2.0]}
+    assert bench.spread([1.0, 2.0, 3.0, 10.0])["median"] == 2.5
+    # 1,007,104 FLOPs/example x 100,000 examples/s = 100.7 GFLOP/s; over a 200 GFLOP/s peak: 50.355%.
+    assert bench.mfu(1_007_104, 100_000.0, 200e9) == pytest.approx(0.503552)
+    assert bench.mfu(1_007_104, 100_000.0, None) is None
+
+
+@pytest.mark.parametrize("kind,needle,bf16", [
+    ("NVIDIA H200", "H200", 989.4e12), ("NVIDIA H100 80GB HBM3", "H100", 989.4e12),
+    ("NVIDIA H100 PCIe", "H100 PCIe", 756e12), ("NVIDIA A100-SXM4-80GB", "A100", 312e12), ("NVIDIA L4", "L4", 121e12),
+])
+def test_gpu_peaks_are_vendor_specs(kind, needle, bf16):
+    peak = bench.peaks("gpu", kind, ("float32", "bfloat16"))
+    assert peak["source"].startswith("spec") and needle in peak["source"]
+    assert peak["flops_per_sec"]["bfloat16"] == bf16
+    assert peak["float32_matmul"] == "tf32"  # XLA's default float32 matmul precision on NVIDIA
+
+
+def test_unknown_gpu_gets_no_mfu():
+    assert bench.peaks("gpu", "Mystery Accelerator", ("float32",))["flops_per_sec"] == {}
+
+
+def test_bench_cli_tiny_run_writes_the_schema(tmp_path, monkeypatch, capsys):
+    dataset = synthetic_dataset(num_train=1024, num_test=100)
+    monkeypatch.setattr(data, "load", lambda *a, **k: dataset)
+    monkeypatch.setattr(bench, "measure_cpu_peak", lambda dtype: 1e11)  # the probe is timed elsewhere
+    out_dir = tmp_path / "bench"
+    code = cli.main(["bench", "--batch-sizes", "64,128", "--dtypes", "float32,bfloat16", "--steps", "4",
+                     "--repeats", "2", "--out", str(out_dir), "--json"])
+    assert code == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document == json.loads((out_dir / "bench.json").read_text())
+    assert set(document) >= {"model", "environment", "flops_per_example", "tokens_per_example", "tokens_assumption",
+                             "peak", "cases", "placement", "notes", "charts", "scaling"}
+    modes = {(c["mode"], c["dtype"], c["batch_size"]) for c in document["cases"]}
+    assert modes == {(m, d, b) for d in ("float32", "bfloat16") for m, b in
+                     (("eager", 64), ("jit-step", 64), ("fused", 64), ("fused", 128))}
+    for case in document["cases"]:
+        rate = case["examples_per_sec"]
+        assert rate["min"] <= rate["median"] <= rate["max"] and len(rate["all"]) == 2
+        assert case["tokens_per_sec"] == pytest.approx(49 * rate["median"])
+        assert case["mfu"] == pytest.approx(1_007_104 * rate["median"] / 1e11)
+        assert 0.0 <= case["final_accuracy"] <= 1.0 and case["final_loss"] > 0
+    assert "projection" in document["notes"][0]
+    assert [p["object"] for p in document["placement"]][:2] == ["parameters", "optimizer state"]
+    assert all((out_dir / name).stat().st_size > 1000 for name in document["charts"])
+
+
+def test_bench_bad_flags_exit_2(tmp_path, capsys):
+    assert cli.main(["bench", "--batch-sizes", "64,x", "--out", str(tmp_path / "b")]) == 2
+    assert "--batch-sizes" in capsys.readouterr().err
+    assert cli.main(["bench", "--dtypes", "float16", "--out", str(tmp_path / "c")]) == 2
+    assert not (tmp_path / "c").exists()
