@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import synthetic_dataset
+
 from fashionjax import bench, cli, data
 
 

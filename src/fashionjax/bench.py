@@ -151,9 +151,10 @@ def fused_runner(work: Workload, steps: int):
     replicated = distributed.replicated(work.mesh)
     chunk_steps = min(CODELAB_LOG_EVERY, steps)
     count = train.perms_per_chunk(chunk_steps, work.steps_per_epoch)
-    perms = jax.jit(train.epoch_permutations, static_argnums=(2, 3), out_shardings=replicated)(
-        data_key, 0, count, int(work.images_u8.shape[0]))
     epoch = distributed.put_replicated(np.int32(0), work.mesh)
+    key_data = distributed.put_replicated(np.asarray(jax.random.key_data(data_key)), work.mesh)
+    perms = jax.jit(train.epoch_permutations, static_argnums=(2, 3), out_shardings=replicated)(
+        key_data, epoch, count, int(work.images_u8.shape[0]))
     chunk = train.make_chunk(step_fn, chunk_steps, work.steps_per_epoch, work.config.batch_size, work.mesh)
     tic = time.perf_counter()
     compiled = jax.jit(chunk, in_shardings=replicated, out_shardings=replicated, donate_argnums=0).lower(

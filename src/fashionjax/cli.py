@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     train_cmd.add_argument("--coordinator", help="HOST:PORT of process 0, for multi-process runs")
     train_cmd.add_argument("--num-processes", type=int, help="number of processes (multi-process)")
     train_cmd.add_argument("--process-id", type=int, help="this process's index (multi-process)")
+    train_cmd.add_argument("--auto-distributed", action="store_true",
+                           help="start jax.distributed from the cluster environment (SLURM, MPI, TPU pods)")
     _data_flags(train_cmd)
     _common(train_cmd)
 
@@ -119,6 +121,21 @@ class Output:
         # Off a terminal rich assumes 80 columns; tables of figures need more than that.
         self.console = Console(stderr=self.json, highlight=False, width=None if stream.isatty() else 160)
         self.errors = Console(stderr=True, highlight=False)
+        self.json_fd = self._divert_stdout() if self.json else None
+
+    @staticmethod
+    def _divert_stdout() -> int | None:
+        """Under --json, point fd 1 at stderr so native libraries (gloo, XLA) cannot print into the
+        document; the document is written to a saved copy of the real stdout."""
+        try:
+            if sys.stdout.fileno() != 1:
+                return None
+        except (AttributeError, OSError, ValueError):
+            return None  # not a real file (a test's capture): nothing native can reach it anyway
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)
+        return saved
 
     def note(self, message: str) -> None:
         if not self.quiet:
@@ -135,9 +152,14 @@ class Output:
             self.console.print(renderable)
 
     def document(self, document) -> None:
-        if self.json:
-            sys.stdout.write(artifacts.to_json(document))
+        if not self.json:
+            return
+        text = artifacts.to_json(document)
+        if self.json_fd is None:
+            sys.stdout.write(text)
             sys.stdout.flush()
+        else:
+            os.write(self.json_fd, text.encode())
 
 
 def _table(title: str, headers, rows):
@@ -253,7 +275,7 @@ def cmd_train(args, out: Output) -> int:
     _train_config(args, None)  # flag faults first: before loading data or touching any file
     if args.resume and not args.run_dir:
         raise ConfigError("--resume needs --run-dir")
-    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.auto_distributed)
     _enable_compile_cache()
     dataset = _load_data(args, out)
     config = _train_config(args, len(dataset.train.labels))

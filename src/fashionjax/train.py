@@ -107,11 +107,14 @@ def perms_per_chunk(chunk_steps: int, steps_per_epoch: int) -> int:
     return chunk_steps // steps_per_epoch + 2
 
 
-def epoch_permutations(data_key, first_epoch: int, count: int, num_examples: int):
+def epoch_permutations(data_key_data, first_epoch, count: int, num_examples: int):
     """The example order of epochs first_epoch .. first_epoch+count-1: (count, num_examples) int32.
 
     The order depends only on (seed, epoch), never on the device count or on where a run resumed.
+    The key arrives as raw key data so that it can be placed like any other array on the mesh.
     """
+    data_key = jax.random.wrap_key_data(data_key_data)
+
     def one(epoch):
         return jax.random.permutation(jax.random.fold_in(data_key, epoch), num_examples).astype(jnp.int32)
 
@@ -203,6 +206,7 @@ def fit(
     if checkpointer is not None and checkpointer.latest_step() is not None:
         state = checkpointer.restore(state)
     state = distributed.replicate_tree(state, mesh)
+    key_data = distributed.put_replicated(np.asarray(jax.random.key_data(data_key)), mesh)
     images_u8 = distributed.put_replicated(train_images_u8.reshape(num_examples, -1), mesh)  # (N, 784) uint8
     labels = distributed.put_replicated(train_labels.astype(np.int32), mesh)
 
@@ -222,7 +226,7 @@ def fit(
         with jax.transfer_guard("disallow"):  # the hot path: any implicit host<->device copy is a bug
             epoch_index = distributed.put_replicated(np.int32(first_epoch), mesh)
             if perms_epoch != first_epoch:
-                perms = permutations(data_key, epoch_index, perm_count, num_examples)
+                perms = permutations(key_data, epoch_index, perm_count, num_examples)
                 perms_epoch = first_epoch
             args = (state, perms, epoch_index, images_u8, labels)
             if num_steps not in compiled:

@@ -1,0 +1,119 @@
+"""Data parallelism on CPU devices: a forced 4-device host, and two real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fashionjax import artifacts
+
+pytestmark = pytest.mark.multiprocess
+
+RUN = ["--steps", "20", "--batch-size", "512", "--log-every", "5", "--offline", "--json", "--quiet"]
+
+
+def devices_env(count: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={count}"
+    return env
+
+
+def train_process(run_dir: Path, devices: int, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "fashionjax", "train", *RUN, "--run-dir", str(run_dir), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=devices_env(devices))
+
+
+def completed(process: subprocess.Popen, timeout: float = 300) -> dict:
+    out, err = process.communicate(timeout=timeout)
+    assert process.returncode == 0, err[-3000:]
+    return json.loads(out)
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in artifacts.read_jsonl(run_dir / "metrics.jsonl")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_processes(run_dir: Path, *extra: str) -> list[subprocess.Popen]:
+    coordinator = f"127.0.0.1:{free_port()}"
+    return [train_process(run_dir, 2, *extra, "--coordinator", coordinator, "--num-processes", "2",
+                          "--process-id", str(i)) for i in range(2)]
+
+
+def assert_close(a: list[float], b: list[float], rel: float = 1e-5) -> None:
+    assert len(a) == len(b) == 4
+    for x, y in zip(a, b, strict=True):
+        assert x == pytest.approx(y, rel=rel)
+
+
+@pytest.fixture(scope="module")
+def one_device(real_dataset, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("one") / "run"
+    summary = completed(train_process(run_dir, 1))
+    return summary, losses(run_dir)
+
+
+@pytest.fixture(scope="module")
+def four_devices(real_dataset, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("four") / "run"
+    summary = completed(train_process(run_dir, 4))
+    return summary, losses(run_dir)
+
+
+def test_four_devices_match_one_and_count_every_test_image(one_device, four_devices):
+    (one, one_losses), (four, four_losses) = one_device, four_devices
+    assert (one["device_count"], four["device_count"]) == (1, 4)
+    assert_close(four_losses, one_losses)
+    assert four["test_examples"] == 10000
+    assert four["test_accuracy"] == pytest.approx(one["test_accuracy"], abs=2e-4)  # a flip or two at most
+
+
+def test_batch_that_does_not_divide_over_devices_exits_2(tmp_path, real_dataset):
+    process = train_process(tmp_path / "run", 4, "--batch-size", "510")
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 2 and "does not divide evenly over 4 devices" in err
+
+
+def test_two_processes_match_one_process_with_four_devices(four_devices, tmp_path):
+    run_dir = tmp_path / "run"
+    summaries = [completed(p) for p in two_processes(run_dir)]
+    assert [s["process_count"] for s in summaries] == [2, 2]
+    assert [s["device_count"] for s in summaries] == [4, 4]
+    assert summaries[0]["params_digest"] == summaries[1]["params_digest"]
+    assert summaries[0]["test_examples"] == 10000
+    assert_close(losses(run_dir), four_devices[1])
+    assert (run_dir / "checkpoints" / "20").is_dir() and (run_dir / "summary.json").is_file()
+
+
+def test_killed_worker_makes_the_other_exit_nonzero_in_bounded_time(real_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    processes = two_processes(run_dir, "--steps", "100000", "--log-every", "5")
+    leader, worker = processes
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "metrics.jsonl").is_file() or not artifacts.read_jsonl(run_dir / "metrics.jsonl"):
+            assert leader.poll() is None and time.monotonic() < deadline, leader.stderr.read()[-3000:]
+            time.sleep(0.1)
+        worker.send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        leader.wait(timeout=150)
+        assert leader.returncode != 0
+        assert time.monotonic() - killed_at < 150
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
