@@ -92,13 +92,24 @@ def cnn_init(key) -> dict:
     }
 
 
+def _conv3x3_same(x, w):
+    """A 3x3 'SAME' convolution as one matmul over the nine shifted views (im2col).
+
+    XLA's CPU convolutions (and their gradients) run far below its matmul speed for these small
+    shapes; shifted slices cost only data movement, and their gradients are pads and slices.
+    """
+    batch, height, width, channels = x.shape
+    padded = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+    patches = jnp.concatenate(
+        [padded[:, i:i + height, j:j + width, :] for i in range(3) for j in range(3)], axis=-1)  # (B, H, W, 9C)
+    return patches @ w.reshape(9 * channels, -1)  # HWIO flattens in the same (i, j, c) order
+
+
 def _conv_pool(x, layer, compute_dtype):
-    y = jax.lax.conv_general_dilated(
-        x, layer["w"].astype(compute_dtype), window_strides=(1, 1), padding="SAME",
-        dimension_numbers=("NHWC", "HWIO", "NHWC"),
-    )
+    y = _conv3x3_same(x, layer["w"].astype(compute_dtype))
     y = jax.nn.gelu(y + layer["b"].astype(compute_dtype))
-    return jax.lax.reduce_window(y, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+    batch, height, width, channels = y.shape
+    return y.reshape(batch, height // 2, 2, width // 2, 2, channels).max(axis=(2, 4))  # 2x2 max pool
 
 
 def cnn_apply(params: dict, images, compute_dtype=jnp.float32):
