@@ -202,3 +202,14 @@ def test_atomic_write_leaves_old_file_when_interrupted(tmp_path, monkeypatch):
         artifacts.atomic_write_json(path, {"new": True})
     assert artifacts.read_json(path) == {"old": True}
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temp file left behind
+
+
+def test_overwrite_removes_only_what_a_run_wrote(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "10").mkdir(parents=True)
+    (run_dir / "summary.json").write_text("{}")
+    (run_dir / "notes.txt").write_text("mine")
+    with pytest.raises(artifacts.ConfigError, match="not empty"):
+        artifacts.prepare_run_dir(run_dir)
+    artifacts.prepare_run_dir(run_dir, overwrite=True)
+    assert [p.name for p in run_dir.iterdir()] == ["notes.txt"]

@@ -21,7 +21,9 @@ import numpy as np
 
 from fashionjax.config import ConfigError
 
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "eval.json", "report.html", "checkpoints")
+RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "eval.json", "report.html", "checkpoints",
+             "samples.png", "curve.png", "confusion.png", "predictions.png", "mistakes.png", "bench.json",
+             "bench_modes.png", "bench_batch.png")
 
 
 _UMASK = os.umask(0)
@@ -139,23 +141,32 @@ def prepare_run_dir(run_dir: str | Path, overwrite: bool = False, resume: bool =
         raise RunDirError(f"{run_dir}: exists and is not a directory")
     if run_dir.is_dir() and any(run_dir.iterdir()) and not (overwrite or resume):
         raise ConfigError(f"{run_dir}: run directory is not empty (use --overwrite or --resume)")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if overwrite and not resume:
-            _clear_run_files(run_dir)
-        probe = run_dir / ".write-probe"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as err:
-        raise RunDirError(f"{run_dir}: run directory is not writable ({err.strerror})") from err
+    ensure_dir(run_dir)
+    if overwrite and not resume:
+        _clear_run_files(run_dir)
     return run_dir
 
 
+def ensure_dir(directory: str | Path) -> Path:
+    """Create an output directory (keeping what is in it) and check that it takes files."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / ".write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise RunDirError(f"{directory}: output directory is not writable ({err.strerror})") from err
+    return directory
+
+
 def _clear_run_files(run_dir: Path) -> None:
-    for entry in run_dir.iterdir():
+    """Remove what an earlier run wrote (and nothing else a user may keep there)."""
+    for name in RUN_FILES:
+        entry = run_dir / name
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
-        else:
+        elif entry.exists() or entry.is_symlink():
             entry.unlink()
 
 

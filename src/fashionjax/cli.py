@@ -209,8 +209,7 @@ def cmd_data(args, out: Output) -> int:
 
     dataset = _load_data(args, out)
     summary = data.summarize(dataset)
-    out_dir = Path(args.out)
-    artifacts.prepare_run_dir(out_dir, overwrite=True)
+    out_dir = artifacts.ensure_dir(args.out)
     samples = plots.samples(dataset.train.images_u8, dataset.train.labels, dataset.class_names,
                             out_dir / "samples.png")
     summary["samples_png"] = str(samples)
@@ -414,8 +413,7 @@ def cmd_bench(args, out: Output) -> int:
     if config.compare_batch not in config.batch_sizes:
         config = dataclasses.replace(config, compare_batch=config.batch_sizes[0])
     bench.validate(config, 60000)  # flag faults before loading anything
-    out_dir = Path(args.out) if args.out else Path("runs") / f"bench-{artifacts.utc_stamp()}"
-    artifacts.prepare_run_dir(out_dir, overwrite=True)
+    out_dir = artifacts.ensure_dir(args.out or Path("runs") / f"bench-{artifacts.utc_stamp()}")
     _enable_compile_cache()
     dataset = _load_data(args, out)
     document = bench.run(config, dataset.train.images_u8, dataset.train.labels,
