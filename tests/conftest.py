@@ -77,6 +77,14 @@ def small_dataset():
     return synthetic_dataset()
 
 
+@pytest.fixture
+def synthetic_cli(monkeypatch):
+    """Make the CLI load the small learnable synthetic dataset instead of Fashion-MNIST."""
+    dataset = synthetic_dataset(num_train=1024, num_test=500)
+    monkeypatch.setattr(data, "load", lambda *a, **k: dataset)
+    return dataset
+
+
 @pytest.fixture(scope="session")
 def real_dataset():
     if not data.SYSTEM_DIR.is_dir() and not os.environ.get("FASHIONJAX_DATA_DIR"):

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import synthetic_dataset
 
-from fashionjax import bench, cli, data
+from fashionjax import bench, cli
 
 
 def test_spread_and_mfu_by_hand():
@@ -33,9 +32,7 @@ def test_unknown_gpu_gets_no_mfu():
     assert bench.peaks("gpu", "Mystery Accelerator", ("float32",))["flops_per_sec"] == {}
 
 
-def test_bench_cli_tiny_run_writes_the_schema(tmp_path, monkeypatch, capsys):
-    dataset = synthetic_dataset(num_train=1024, num_test=100)
-    monkeypatch.setattr(data, "load", lambda *a, **k: dataset)
+def test_bench_cli_tiny_run_writes_the_schema(tmp_path, synthetic_cli, monkeypatch, capsys):
     monkeypatch.setattr(bench, "measure_cpu_peak", lambda dtype: 1e11)  # the probe is timed elsewhere
     out_dir = tmp_path / "bench"
     code = cli.main(["bench", "--batch-sizes", "64,128", "--dtypes", "float32,bfloat16", "--steps", "4",

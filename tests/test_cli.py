@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import synthetic_dataset, write_synthetic_files
+from conftest import write_synthetic_files
 
-from fashionjax import artifacts, cli, data
+from fashionjax import artifacts, cli
 
 
 def fashionjax(*args: str, env: dict | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -87,14 +87,6 @@ def test_data_json_on_the_real_data(tmp_path, real_dataset):
     assert document["verified"] is True
     assert document["splits"]["train"]["images"] == 60000 and document["splits"]["test"]["labels"] == 10000
     assert (tmp_path / "out" / "samples.png").stat().st_size > 10_000
-
-
-@pytest.fixture
-def synthetic_cli(monkeypatch):
-    """Make the CLI load the small learnable synthetic dataset instead of Fashion-MNIST."""
-    dataset = synthetic_dataset(num_train=1024, num_test=500)
-    monkeypatch.setattr(data, "load", lambda *a, **k: dataset)
-    return dataset
 
 
 def test_train_smoke_writes_every_artifact_and_eval_agrees(tmp_path, synthetic_cli, capsys):

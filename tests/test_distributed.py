@@ -117,3 +117,18 @@ def test_killed_worker_makes_the_other_exit_nonzero_in_bounded_time(real_dataset
             if p.poll() is None:
                 p.kill()
             p.communicate()
+
+
+def test_bench_reports_per_device_figures_and_scaling(real_dataset, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "fashionjax", "bench", "--batch-sizes", "512", "--dtypes", "float32",
+                             "--steps", "5", "--repeats", "1", "--out", str(tmp_path / "bench"), "--json", "--offline"],
+                            capture_output=True, text=True, timeout=300, env=devices_env(4))
+    assert result.returncode == 0, result.stderr[-3000:]
+    document = json.loads(result.stdout)
+    scaling = document["scaling"]
+    assert scaling["devices"] == 4
+    assert scaling["per_device_n"] == pytest.approx(scaling["examples_per_sec_n"] / 4)
+    assert scaling["efficiency"] == pytest.approx(scaling["examples_per_sec_n"] / (4 * scaling["examples_per_sec_1"]))
+    fused = next(c for c in document["cases"] if c["mode"] == "fused")
+    assert fused["devices"] == 4
+    assert fused["examples_per_sec_per_device"] == pytest.approx(fused["examples_per_sec"]["median"] / 4)

@@ -11,9 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import synthetic_dataset
 
-from fashionjax import artifacts, checkpoint, cli, data
+from fashionjax import artifacts, checkpoint, cli
 
 pytestmark = pytest.mark.slow
 
@@ -143,13 +142,6 @@ def test_torn_metrics_line_is_skipped(tmp_path):
     artifacts.truncate_jsonl(path, lambda r: r["step"] <= 20)
     artifacts.append_jsonl(path, [{"step": 30}])
     assert [r["step"] for r in artifacts.read_jsonl(path)] == [10, 20, 30]
-
-
-@pytest.fixture
-def synthetic_cli(monkeypatch):
-    dataset = synthetic_dataset(num_train=1024, num_test=200)
-    monkeypatch.setattr(data, "load", lambda *a, **k: dataset)
-    return dataset
 
 
 def test_divergence_stops_with_exit_1_and_keeps_the_last_good_checkpoint(tmp_path, synthetic_cli, capsys):

@@ -251,13 +251,16 @@ def run(config: BenchConfig, train_images_u8: np.ndarray, train_labels: np.ndarr
     validate(config, num_examples)
     model = models.get(config.model)
     env = environment.describe(with_git=True)
-    images = distributed.put_replicated(train_images_u8.reshape(num_examples, -1), mesh)
-    labels = distributed.put_replicated(train_labels.astype(np.int32), mesh)
     base = TrainConfig(model=config.model, schedule="constant", epochs=None, steps=config.steps)
+    placed = {}  # the training data, once per mesh
 
     def work(dtype: str, batch: int, on_mesh=mesh) -> Workload:
         distributed.check_batch(batch, on_mesh)
-        return Workload(dataclasses.replace(base, dtype=dtype, batch_size=batch), images, labels, on_mesh)
+        if id(on_mesh) not in placed:
+            placed[id(on_mesh)] = (
+                distributed.put_replicated(train_images_u8.reshape(num_examples, -1), on_mesh),
+                distributed.put_replicated(train_labels.astype(np.int32), on_mesh))
+        return Workload(dataclasses.replace(base, dtype=dtype, batch_size=batch), *placed[id(on_mesh)], on_mesh)
 
     cases = []
     for dtype in config.dtypes:

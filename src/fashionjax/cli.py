@@ -484,9 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if debug:
             raise
-        code = exit_code(err)
-        out.error(f"fashionjax {args.command}: {err}")
-        return code
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        more = " (--debug shows the rest)" if len(lines) > 1 else ""
+        out.error(f"fashionjax {args.command}: {lines[0]}{more}")
+        return exit_code(err)
     finally:
         if debug:
             out.error(f"[{time.perf_counter() - started:.2f}s]")
