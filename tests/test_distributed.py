@@ -96,6 +96,11 @@ def test_two_processes_match_one_process_with_four_devices(four_devices, tmp_pat
     assert summaries[0]["test_examples"] == 10000
     assert_close(losses(run_dir), four_devices[1])
     assert (run_dir / "checkpoints" / "20").is_dir() and (run_dir / "summary.json").is_file()
+    # Checkpoints work across processes: both restore step 20 and train on to 30.
+    resumed = [completed(p) for p in two_processes(run_dir, "--resume", "--steps", "30")]
+    assert [s["steps"] for s in resumed] == [30, 30]
+    assert resumed[0]["params_digest"] == resumed[1]["params_digest"]
+    assert [r["step"] for r in artifacts.read_jsonl(run_dir / "metrics.jsonl")] == [5, 10, 15, 20, 25, 30]
 
 
 def test_killed_worker_makes_the_other_exit_nonzero_in_bounded_time(real_dataset, tmp_path):

@@ -104,3 +104,25 @@ def test_codelab_preset():
     preset = config.codelab()
     assert (preset.steps, preset.schedule, preset.batch_size, preset.lr, preset.weight_decay) == (
         400, "constant", 512, 3e-3, 1e-4)
+
+
+def test_augmentation_is_a_pure_function_of_the_key():
+    images = np.random.default_rng(0).integers(0, 255, (8, 784), dtype=np.uint8)
+    key = jax.random.key(5)
+    first = np.asarray(train.augment_batch(key, images))
+    np.testing.assert_array_equal(first, np.asarray(train.augment_batch(key, images)))
+    assert not np.array_equal(first, np.asarray(train.augment_batch(jax.random.key(6), images)))
+    # Shifts and flips move pixels and pad with zeros; they never invent brightness.
+    assert first.dtype == np.uint8 and first.sum() <= images.sum()
+
+
+def test_augmented_training_is_deterministic(small_dataset):
+    cfg = dataclasses.replace(TINY, augment=True)
+    digests = {train.params_digest(train.fit(cfg, small_dataset.train.images_u8,
+                                             small_dataset.train.labels).state.params) for _ in range(2)}
+    plain = train.params_digest(train.fit(TINY, small_dataset.train.images_u8, small_dataset.train.labels).state.params)
+    assert len(digests) == 1 and plain not in digests
+
+
+def test_cnn_recipe_augments():
+    assert config.default("cnn").augment and not config.default("mlp").augment

@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     train_cmd.add_argument("--weight-decay", type=float, help="decoupled weight decay (default 1e-4)")
     train_cmd.add_argument("--clip-norm", type=float, help="clip gradients to this global norm")
     train_cmd.add_argument("--dtype", help=f"compute dtype: {', '.join(DTYPES)} (default float32)")
+    train_cmd.add_argument("--augment", action=argparse.BooleanOptionalAction, default=None,
+                           help="random flips and 2-pixel shifts (default: on for cnn, off for mlp)")
     train_cmd.add_argument("--seed", type=int, help="root of all randomness (default 0)")
     train_cmd.add_argument("--log-every", type=int, help="steps per compiled chunk and log point (25)")
     train_cmd.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (an epoch)")
@@ -233,7 +235,7 @@ def _train_config(args, num_examples: int | None):
     overrides = {
         "epochs": args.epochs, "steps": args.steps, "batch_size": args.batch_size, "optimizer": args.optimizer,
         "lr": args.lr, "schedule": args.schedule, "weight_decay": args.weight_decay, "clip_norm": args.clip_norm,
-        "dtype": args.dtype, "seed": args.seed, "log_every": args.log_every,
+        "dtype": args.dtype, "augment": args.augment, "seed": args.seed, "log_every": args.log_every,
         "checkpoint_every": args.checkpoint_every, "keep": args.keep,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}

@@ -33,6 +33,7 @@ class TrainConfig:
     momentum: float = 0.9  # sgd only
     clip_norm: float | None = None
     dtype: str = "float32"
+    augment: bool = False  # random flips and 2-pixel shifts of each training batch
     seed: int = 0
     log_every: int = 25
     checkpoint_every: int | None = None  # None: once an epoch
@@ -83,7 +84,7 @@ def validate(config: TrainConfig, num_train_examples: int | None = None) -> Trai
 def default(model: str = "mlp") -> TrainConfig:
     """The recommended recipe for each model."""
     if model == "cnn":
-        return TrainConfig(model="cnn", epochs=12, batch_size=256, lr=2e-3, weight_decay=5e-4)
+        return TrainConfig(model="cnn", epochs=15, batch_size=256, lr=2e-3, weight_decay=5e-2, augment=True)
     return TrainConfig(model=model)
 
 
@@ -94,4 +95,4 @@ def codelab() -> TrainConfig:
 
 # Fields that define a run's trajectory: resuming with any of them changed is refused.
 TRAJECTORY_FIELDS = ("model", "batch_size", "optimizer", "lr", "schedule", "warmup_steps",
-                     "weight_decay", "momentum", "clip_norm", "dtype", "seed")
+                     "weight_decay", "momentum", "clip_norm", "dtype", "augment", "seed")

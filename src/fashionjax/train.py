@@ -102,6 +102,11 @@ def init_state(model: models.Model, optimizer, seed: int) -> tuple[TrainState, j
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params)), data_key
 
 
+def augment_key_data(seed: int) -> np.ndarray:
+    """The augmentation stream's key: the root key folded with its own purpose index."""
+    return np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 1)))
+
+
 def perms_per_chunk(chunk_steps: int, steps_per_epoch: int) -> int:
     """How many epoch orders a chunk of this length can touch."""
     return chunk_steps // steps_per_epoch + 2
@@ -121,8 +126,26 @@ def epoch_permutations(data_key_data, first_epoch, count: int, num_examples: int
     return jax.vmap(one)(first_epoch + jnp.arange(count))
 
 
-def make_chunk(train_step: Callable, num_steps: int, steps_per_epoch: int, batch_size: int, mesh):
-    """run_chunk(state, perms, first_epoch, images_u8, labels) -> (state, metrics of every step)."""
+def augment_batch(key, images_u8):
+    """Random horizontal flips and shifts of up to 2 pixels: (B, 784) uint8 -> (B, 784) uint8."""
+    batch = images_u8.shape[0]
+    images = images_u8.reshape(batch, 28, 28)
+    flip_key, shift_key = jax.random.split(key)
+    flips = jax.random.bernoulli(flip_key, 0.5, (batch,))
+    images = jnp.where(flips[:, None, None], images[:, :, ::-1], images)
+    padded = jnp.pad(images, ((0, 0), (2, 2), (2, 2)))  # (B, 32, 32)
+    offsets = jax.random.randint(shift_key, (batch, 2), 0, 5)
+    crop = jax.vmap(lambda image, at: jax.lax.dynamic_slice(image, (at[0], at[1]), (28, 28)))
+    return crop(padded, offsets).reshape(batch, -1)
+
+
+def make_chunk(train_step: Callable, num_steps: int, steps_per_epoch: int, batch_size: int, mesh,
+               augment_key_data: np.ndarray | None = None):
+    """run_chunk(state, perms, first_epoch, images_u8, labels) -> (state, metrics of every step).
+
+    With augment_key_data, each batch is augmented with a key folded from the step, so the
+    augmentation too is a pure function of the seed and the step.
+    """
     batch_sharding = distributed.batch_sharded(mesh)
 
     def run_chunk(state: TrainState, perms, first_epoch, images_u8, labels):
@@ -133,6 +156,9 @@ def make_chunk(train_step: Callable, num_steps: int, steps_per_epoch: int, batch
             indices = jax.lax.dynamic_slice(order, (offset,), (batch_size,))
             batch_images = jax.lax.with_sharding_constraint(images_u8[indices], batch_sharding)  # (B, 784)
             batch_labels = jax.lax.with_sharding_constraint(labels[indices], batch_sharding)
+            if augment_key_data is not None:
+                step_key = jax.random.fold_in(jax.random.wrap_key_data(augment_key_data), state.step)
+                batch_images = augment_batch(step_key, batch_images)
             return train_step(state, batch_images, batch_labels)
 
         return jax.lax.scan(body, state, None, length=num_steps)
@@ -217,6 +243,7 @@ def fit(
     perm_count = perms_per_chunk(config.log_every, steps_per_epoch)
     permutations = jax.jit(epoch_permutations, static_argnums=(2, 3), out_shardings=replicated)
     perms, perms_epoch = None, None
+    augment_key = augment_key_data(config.seed) if config.augment else None
     clock = _Clock()
     last_loss = None
     while step < total_steps:
@@ -231,7 +258,7 @@ def fit(
             args = (state, perms, epoch_index, images_u8, labels)
             if num_steps not in compiled:
                 tic = time.perf_counter()
-                chunk = make_chunk(train_step, num_steps, steps_per_epoch, config.batch_size, mesh)
+                chunk = make_chunk(train_step, num_steps, steps_per_epoch, config.batch_size, mesh, augment_key)
                 compiled[num_steps] = jax.jit(
                     chunk, in_shardings=replicated, out_shardings=replicated, donate_argnums=0,
                 ).lower(*args).compile()
