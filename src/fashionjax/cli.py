@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from fashionjax import __version__, artifacts, data
+from fashionjax import __version__, artifacts, console, data
 from fashionjax.config import DTYPES, MODELS, OPTIMIZERS, SCHEDULES, ConfigError
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -108,77 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# ---------------------------------------------------------------- output
-
-
-class Output:
-    """Human output to stdout (or stderr under --json); the JSON document alone on stdout."""
-
-    def __init__(self, args):
-        from rich.console import Console
-
-        self.json = getattr(args, "json", False)
-        self.quiet = getattr(args, "quiet", False)
-        stream = sys.stderr if self.json else sys.stdout
-        # Off a terminal rich assumes 80 columns; tables of figures need more than that.
-        self.console = Console(stderr=self.json, highlight=False, width=None if stream.isatty() else 160)
-        self.errors = Console(stderr=True, highlight=False)
-        self.json_fd = self._divert_stdout() if self.json else None
-
-    @staticmethod
-    def _divert_stdout() -> int | None:
-        """Under --json, point fd 1 at stderr so native libraries (gloo, XLA) cannot print into the
-        document; the document is written to a saved copy of the real stdout."""
-        try:
-            if sys.stdout.fileno() != 1:
-                return None
-        except (AttributeError, OSError, ValueError):
-            return None  # not a real file (a test's capture): nothing native can reach it anyway
-        sys.stdout.flush()
-        saved = os.dup(1)
-        os.dup2(2, 1)
-        return saved
-
-    def note(self, message: str) -> None:
-        if not self.quiet:
-            self.error(message)
-
-    @staticmethod
-    def error(message: str) -> None:
-        """One plain line on stderr: never wrapped, never styled."""
-        sys.stderr.write(message + "\n")
-        sys.stderr.flush()
-
-    def show(self, renderable) -> None:
-        if not self.quiet or not self.json:
-            self.console.print(renderable)
-
-    def document(self, document) -> None:
-        if not self.json:
-            return
-        text = artifacts.to_json(document)
-        if self.json_fd is None:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-        else:
-            os.write(self.json_fd, text.encode())
-
-
-def _table(title: str, headers, rows):
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left")
-    for header in headers:
-        table.add_column(str(header))
-    for row in rows:
-        table.add_row(*[str(cell) for cell in row])
-    return table
-
-
 # ---------------------------------------------------------------- commands
 
 
-def cmd_doctor(args, out: Output) -> int:
+def cmd_doctor(args, out: console.Output) -> int:
     from fashionjax import environment
 
     info = environment.describe(with_git=True)
@@ -187,9 +120,9 @@ def cmd_doctor(args, out: Output) -> int:
     rows = [(k, info[k]) for k in ("python", "jax_version", "jaxlib_version", "optax_version",
                                    "fashionjax_version", "backend", "device_kind", "device_count",
                                    "process_count", "cpu_model", "cpu_cores", "matmul_precision")]
-    out.show(_table("fashionjax doctor", ["item", "value"], rows))
-    out.show(_table("devices", ["id", "platform", "kind", "memory"],
-                    [(d["id"], d["platform"], d["kind"], _bytes(d["memory_bytes"])) for d in info["devices"]]))
+    out.show(console.table("fashionjax doctor", ["item", "value"], rows))
+    out.show(console.table("devices", ["id", "platform", "kind", "memory"],
+                    [(d["id"], d["platform"], d["kind"], console.human_bytes(d["memory_bytes"])) for d in info["devices"]]))
     out.document(info)
     if args.require_gpu and not has_gpu:
         out.error(f"fashionjax doctor: no GPU visible (backend is {info['backend']}); "
@@ -198,15 +131,11 @@ def cmd_doctor(args, out: Output) -> int:
     return EXIT_OK
 
 
-def _bytes(count) -> str:
-    return "unknown" if count is None else f"{count / 2**30:.1f} GiB"
-
-
-def _load_data(args, out: Output) -> data.Dataset:
+def _load_data(args, out: console.Output) -> data.Dataset:
     return data.load(args.data_dir, offline=args.offline, log=out.note)
 
 
-def cmd_data(args, out: Output) -> int:
+def cmd_data(args, out: console.Output) -> int:
     from fashionjax.report import plots
 
     dataset = _load_data(args, out)
@@ -216,8 +145,8 @@ def cmd_data(args, out: Output) -> int:
                             out_dir / "samples.png")
     summary["samples_png"] = str(samples)
     rows = [(name, f"{s['images']:,}", tuple(s["shape"]), f"{s['labels']:,}") for name, s in summary["splits"].items()]
-    out.show(_table("Fashion-MNIST", ["split", "images", "image shape", "labels"], rows))
-    out.show(_table("images per class", ["class", "train", "test"],
+    out.show(console.table("Fashion-MNIST", ["split", "images", "image shape", "labels"], rows))
+    out.show(console.table("images per class", ["class", "train", "test"],
                     [(name, summary["splits"]["train"]["class_counts"][i], summary["splits"]["test"]["class_counts"][i])
                      for i, name in enumerate(dataset.class_names)]))
     source = dataset.source
@@ -268,7 +197,7 @@ class SignalCatcher:
         return False
 
 
-def cmd_train(args, out: Output) -> int:
+def cmd_train(args, out: console.Output) -> int:
     from fashionjax import distributed
     from fashionjax import run as run_lib
     from fashionjax import train as train_lib
@@ -285,7 +214,7 @@ def cmd_train(args, out: Output) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else run_lib.default_run_dir(config.model)
     if run_lib.is_writer():
         artifacts.prepare_run_dir(run_dir, overwrite=args.overwrite, resume=args.resume)
-    progress = _Progress(out, config, len(dataset.train.labels))
+    progress = console.Progress(out, config, len(dataset.train.labels))
     with SignalCatcher() as catcher, progress:
         hooks = train_lib.Hooks(on_log=progress.update, stop_signal=lambda: catcher.signum, on_note=out.note)
         try:
@@ -297,12 +226,12 @@ def cmd_train(args, out: Output) -> int:
             return 128 + stop.signum
     if run_lib.is_writer():
         _render_report(run_dir, out)
-    _show_summary(out, summary, run_dir)
+    console.show_summary(out, summary, run_dir)
     out.document(dict(summary, run_dir=str(run_dir)))
     return EXIT_OK
 
 
-def _render_report(run_dir: Path, out: Output) -> Path:
+def _render_report(run_dir: Path, out: console.Output) -> Path:
     from fashionjax.report import render
 
     path = render.render(run_dir)
@@ -310,7 +239,7 @@ def _render_report(run_dir: Path, out: Output) -> Path:
     return path
 
 
-def cmd_report(args, out: Output) -> int:
+def cmd_report(args, out: console.Output) -> int:
     from fashionjax.report import render
 
     run_dir = Path(args.run_dir)
@@ -324,60 +253,7 @@ def cmd_report(args, out: Output) -> int:
     return EXIT_OK
 
 
-def _show_summary(out: Output, summary: dict, run_dir: Path) -> None:
-    rate = summary["train_examples_per_sec"]
-    rows = [
-        ("model", f"{summary['model']} ({summary['params']:,} params)"),
-        ("steps / epochs", f"{summary['steps']} / {summary['epochs']}"),
-        ("test accuracy", f"{100 * summary['test_accuracy']:.2f}% of {summary['test_examples']:,}"),
-        ("test loss", f"{summary['test_loss']:.4f}"),
-        ("final train loss", f"{summary['final_train_loss']:.4f}"),
-        ("examples/sec (steady)", "n/a (one chunk)" if rate is None else f"{rate:,.0f}"),
-        ("compile seconds", f"{summary['compile_seconds']:.2f}"),
-        ("wall seconds", f"{summary['wall_seconds']:.2f}"),
-        ("devices", f"{summary['device_count']} x {summary['device_kind']} ({summary['backend']})"),
-        ("params digest", summary["params_digest"][:16]),
-        ("run directory", str(run_dir)),
-    ]
-    out.show(_table("training summary", ["", ""], rows))
-
-
-class _Progress:
-    """A rich progress bar when stdout is a terminal and --quiet is off; silent otherwise."""
-
-    def __init__(self, out: Output, config, num_examples: int):
-        self.enabled = sys.stdout.isatty() and not out.quiet and not out.json
-        self.total = config.total_steps(num_examples)
-        self.bar = None
-        if self.enabled:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                TimeRemainingColumn(), console=out.errors)
-            self.task = self.bar.add_task("training", total=self.total)
-
-    def __enter__(self):
-        if self.bar:
-            self.bar.start()
-        return self
-
-    def update(self, record: dict) -> None:
-        if self.bar:
-            self.bar.update(self.task, completed=record["step"], description=(
-                f"epoch {record['epoch']:.2f} loss {record['loss']:.4f} acc {100 * record['accuracy']:.1f}% "
-                f"{record['examples_per_sec']:,.0f} ex/s"))
-
-    def close(self) -> None:
-        if self.bar:
-            self.bar.stop()
-            self.bar = None
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
-
-
-def cmd_eval(args, out: Output) -> int:
+def cmd_eval(args, out: console.Output) -> int:
     from fashionjax import distributed
     from fashionjax import run as run_lib
 
@@ -388,7 +264,7 @@ def cmd_eval(args, out: Output) -> int:
     dataset = _load_data(args, out)
     scored = run_lib.rescore(run_dir, dataset, distributed.make_mesh("all"))
     report = scored["report"]
-    out.show(_table(f"evaluation of {run_dir}", ["", ""], [
+    out.show(console.table(f"evaluation of {run_dir}", ["", ""], [
         ("test accuracy", f"{100 * report['accuracy']:.2f}% ({report['correct']:,} of {report['examples']:,})"),
         ("test loss", f"{report['loss']:.4f}"), ("checkpoint step", report["step"]),
         ("params digest", report["params_digest"][:16])]))
@@ -405,7 +281,7 @@ def _csv(text: str | None, cast, flag: str):
         raise ConfigError(f"{flag}: expected a comma-separated list, got {text!r}") from None
 
 
-def cmd_bench(args, out: Output) -> int:
+def cmd_bench(args, out: console.Output) -> int:
     from fashionjax import bench, distributed
 
     base = bench.quick() if args.quick else bench.BenchConfig()
@@ -421,35 +297,10 @@ def cmd_bench(args, out: Output) -> int:
     document = bench.run(config, dataset.train.images_u8, dataset.train.labels,
                          distributed.make_mesh(args.devices), log=out.note)
     document = bench.write(document, out_dir)
-    _show_bench(out, document)
+    console.show_bench(out, document)
     out.show(f"bench.json and charts: {out_dir}")
     out.document(document)
     return EXIT_OK
-
-
-def _show_bench(out: Output, document: dict) -> None:
-    cases = document["cases"]
-    best = max(c["examples_per_sec"]["median"] for c in cases)
-    rows = []
-    for c in cases:
-        rate = c["examples_per_sec"]
-        bar = "█" * max(1, round(30 * rate["median"] / best))
-        mfu = "n/a" if c["mfu"] is None else f"{100 * c['mfu']:.1f}%"
-        rows.append((c["mode"], c["dtype"], c["batch_size"], f"{rate['median']:,.0f}",
-                     f"{rate['min']:,.0f}-{rate['max']:,.0f}", f"{c['compile_seconds']:.2f}",
-                     f"{c['final_loss']:.4f}", f"{100 * c['final_accuracy']:.1f}%", mfu,
-                     f"{c['tokens_per_sec']:,.0f}", bar))
-    out.show(_table(f"{document['model']} training throughput (peak: {document['peak']['source']})",
-                    ["mode", "dtype", "batch", "ex/s median", "min-max", "compile s", "loss", "batch acc",
-                     "MFU", "tokens/s (proj.)", ""], rows))
-    out.show(_table("device placement", ["object", "devices"],
-                    [(p["object"], ", ".join(p["devices"])) for p in document["placement"]]))
-    if document["scaling"]:
-        s = document["scaling"]
-        out.show(f"scaling: {s['examples_per_sec_1']:,.0f} ex/s on 1 device, {s['examples_per_sec_n']:,.0f} on "
-                 f"{s['devices']} ({s['per_device_n']:,.0f} per device, efficiency {100 * s['efficiency']:.1f}%)")
-    for note in document["notes"]:
-        out.show(f"note: {note}")
 
 
 def _enable_compile_cache() -> None:
@@ -476,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    out = Output(args)
+    out = console.Output(args)
     started = time.perf_counter()
     try:
         return COMMANDS[args.command](args, out)

@@ -1,0 +1,155 @@
+"""Human output for the CLI: rich tables, the progress bar, and the one JSON document on stdout."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from fashionjax import artifacts
+
+
+class Output:
+    """Human output to stdout (or stderr under --json); the JSON document alone on stdout."""
+
+    def __init__(self, args):
+        from rich.console import Console
+
+        self.json = getattr(args, "json", False)
+        self.quiet = getattr(args, "quiet", False)
+        stream = sys.stderr if self.json else sys.stdout
+        # Off a terminal rich assumes 80 columns; tables of figures need more than that.
+        self.console = Console(stderr=self.json, highlight=False, width=None if stream.isatty() else 160)
+        self.errors = Console(stderr=True, highlight=False)
+        self.json_fd = self._divert_stdout() if self.json else None
+
+    @staticmethod
+    def _divert_stdout() -> int | None:
+        """Under --json, point fd 1 at stderr so native libraries (gloo, XLA) cannot print into the
+        document; the document is written to a saved copy of the real stdout."""
+        try:
+            if sys.stdout.fileno() != 1:
+                return None
+        except (AttributeError, OSError, ValueError):
+            return None  # not a real file (a test's capture): nothing native can reach it anyway
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(2, 1)
+        return saved
+
+    def note(self, message: str) -> None:
+        if not self.quiet:
+            self.error(message)
+
+    @staticmethod
+    def error(message: str) -> None:
+        """One plain line on stderr: never wrapped, never styled."""
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+
+    def show(self, renderable) -> None:
+        if not self.quiet or not self.json:
+            self.console.print(renderable)
+
+    def document(self, document) -> None:
+        if not self.json:
+            return
+        text = artifacts.to_json(document)
+        if self.json_fd is None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        else:
+            os.write(self.json_fd, text.encode())
+
+
+def table(title: str, headers, rows):
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for header in headers:
+        table.add_column(str(header))
+    for row in rows:
+        table.add_row(*[str(cell) for cell in row])
+    return table
+
+
+def human_bytes(count) -> str:
+    return "unknown" if count is None else f"{count / 2**30:.1f} GiB"
+
+
+def show_summary(out: Output, summary: dict, run_dir: Path) -> None:
+    rate = summary["train_examples_per_sec"]
+    rows = [
+        ("model", f"{summary['model']} ({summary['params']:,} params)"),
+        ("steps / epochs", f"{summary['steps']} / {summary['epochs']}"),
+        ("test accuracy", f"{100 * summary['test_accuracy']:.2f}% of {summary['test_examples']:,}"),
+        ("test loss", f"{summary['test_loss']:.4f}"),
+        ("final train loss", f"{summary['final_train_loss']:.4f}"),
+        ("examples/sec (steady)", "n/a (one chunk)" if rate is None else f"{rate:,.0f}"),
+        ("compile seconds", f"{summary['compile_seconds']:.2f}"),
+        ("wall seconds", f"{summary['wall_seconds']:.2f}"),
+        ("devices", f"{summary['device_count']} x {summary['device_kind']} ({summary['backend']})"),
+        ("params digest", summary["params_digest"][:16]),
+        ("run directory", str(run_dir)),
+    ]
+    out.show(table("training summary", ["", ""], rows))
+
+
+class Progress:
+    """A rich progress bar when stdout is a terminal and --quiet is off; silent otherwise."""
+
+    def __init__(self, out: Output, config, num_examples: int):
+        self.enabled = sys.stdout.isatty() and not out.quiet and not out.json
+        self.total = config.total_steps(num_examples)
+        self.bar = None
+        if self.enabled:
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                                TimeRemainingColumn(), console=out.errors)
+            self.task = self.bar.add_task("training", total=self.total)
+
+    def __enter__(self):
+        if self.bar:
+            self.bar.start()
+        return self
+
+    def update(self, record: dict) -> None:
+        if self.bar:
+            self.bar.update(self.task, completed=record["step"], description=(
+                f"epoch {record['epoch']:.2f} loss {record['loss']:.4f} acc {100 * record['accuracy']:.1f}% "
+                f"{record['examples_per_sec']:,.0f} ex/s"))
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.stop()
+            self.bar = None
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def show_bench(out: Output, document: dict) -> None:
+    cases = document["cases"]
+    best = max(c["examples_per_sec"]["median"] for c in cases)
+    rows = []
+    for c in cases:
+        rate = c["examples_per_sec"]
+        bar = "█" * max(1, round(30 * rate["median"] / best))
+        mfu = "n/a" if c["mfu"] is None else f"{100 * c['mfu']:.1f}%"
+        rows.append((c["mode"], c["dtype"], c["batch_size"], f"{rate['median']:,.0f}",
+                     f"{rate['min']:,.0f}-{rate['max']:,.0f}", f"{c['compile_seconds']:.2f}",
+                     f"{c['final_loss']:.4f}", f"{100 * c['final_accuracy']:.1f}%", mfu,
+                     f"{c['tokens_per_sec']:,.0f}", bar))
+    out.show(table(f"{document['model']} training throughput (peak: {document['peak']['source']})",
+                    ["mode", "dtype", "batch", "ex/s median", "min-max", "compile s", "loss", "batch acc",
+                     "MFU", "tokens/s (proj.)", ""], rows))
+    out.show(table("device placement", ["object", "devices"],
+                    [(p["object"], ", ".join(p["devices"])) for p in document["placement"]]))
+    if document["scaling"]:
+        s = document["scaling"]
+        out.show(f"scaling: {s['examples_per_sec_1']:,.0f} ex/s on 1 device, {s['examples_per_sec_n']:,.0f} on "
+                 f"{s['devices']} ({s['per_device_n']:,.0f} per device, efficiency {100 * s['efficiency']:.1f}%)")
+    for note in document["notes"]:
+        out.show(f"note: {note}")
