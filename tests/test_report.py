@@ -36,7 +36,7 @@ def test_train_writes_a_self_contained_report(run_dir):
         assert f'<section id="{section}">' in html
     assert html.count("data:image/png;base64,") == 5
     assert "http://" not in html and "https://" not in html and "<script" not in html
-    assert "Human performance (published)" in html and "89.70%" in html
+    assert "Human performance (published)" in html and "89.7%" in html
 
 
 def test_values_are_escaped(run_dir, tmp_path):

@@ -213,7 +213,8 @@ def _save_decoded(dataset: Dataset, directory: Path, spec: DatasetSpec) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     digests = {}
     for split in spec.files:
-        for kind, array in zip(("images", "labels"), astuple_split(getattr(dataset, split)), strict=True):
+        part = getattr(dataset, split)
+        for kind, array in (("images", part.images_u8), ("labels", part.labels)):
             buffer = io.BytesIO()
             np.save(buffer, array, allow_pickle=False)
             blob = buffer.getvalue()
@@ -221,10 +222,6 @@ def _save_decoded(dataset: Dataset, directory: Path, spec: DatasetSpec) -> None:
             digests[f"{split}-{kind}"] = hashlib.sha256(blob).hexdigest()
     manifest = {"fingerprint": _fingerprint(spec), "digests": digests, "source": dataset.source}
     artifacts.atomic_write_json(directory / "manifest.json", manifest)
-
-
-def astuple_split(split: Split) -> tuple[np.ndarray, np.ndarray]:
-    return split.images_u8, split.labels
 
 
 def _load_decoded(directory: Path, spec: DatasetSpec) -> Dataset | None:

@@ -126,15 +126,18 @@ def epoch_permutations(data_key_data, first_epoch, count: int, num_examples: int
     return jax.vmap(one)(first_epoch + jnp.arange(count))
 
 
-def augment_batch(key, images_u8):
-    """Random horizontal flips and shifts of up to 2 pixels: (B, 784) uint8 -> (B, 784) uint8."""
+def augment_batch(key, images_u8, max_shift: int = 1):
+    """Random horizontal flips and shifts of up to max_shift pixels: (B, 784) uint8 -> (B, 784) uint8."""
     batch = images_u8.shape[0]
     images = images_u8.reshape(batch, 28, 28)
     flip_key, shift_key = jax.random.split(key)
     flips = jax.random.bernoulli(flip_key, 0.5, (batch,))
     images = jnp.where(flips[:, None, None], images[:, :, ::-1], images)
-    padded = jnp.pad(images, ((0, 0), (2, 2), (2, 2)))  # (B, 32, 32)
-    offsets = jax.random.randint(shift_key, (batch, 2), 0, 5)
+    if max_shift == 0:
+        return images.reshape(batch, -1)
+    pad = ((0, 0), (max_shift, max_shift), (max_shift, max_shift))
+    padded = jnp.pad(images, pad)  # (B, 28 + 2s, 28 + 2s)
+    offsets = jax.random.randint(shift_key, (batch, 2), 0, 2 * max_shift + 1)
     crop = jax.vmap(lambda image, at: jax.lax.dynamic_slice(image, (at[0], at[1]), (28, 28)))
     return crop(padded, offsets).reshape(batch, -1)
 
