@@ -84,7 +84,7 @@ def validate(config: TrainConfig, num_train_examples: int | None = None) -> Trai
 def default(model: str = "mlp") -> TrainConfig:
     """The recommended recipe for each model."""
     if model == "cnn":
-        return TrainConfig(model="cnn", epochs=15, batch_size=256, lr=2e-3, weight_decay=5e-2, augment=True)
+        return TrainConfig(model="cnn", epochs=15, batch_size=256, lr=2e-3, weight_decay=5e-4, augment=True)
     return TrainConfig(model=model)
 
 
