@@ -135,3 +135,22 @@ def test_real_data_short_run_learns(tmp_path, real_dataset):
     assert summary["test_examples"] == 10000
     assert summary["test_accuracy"] > 0.75  # chance is 0.10
     assert Path(summary["run_dir"]) == run_dir
+
+
+def test_json_stdout_survives_native_prints_and_repeated_calls():
+    code = ("import os\nfrom fashionjax import cli, console\n"
+            "show = console.Output.show\n"
+            "def noisy(self, renderable):\n"
+            "    os.write(1, b'native-noise\\n')  # what gloo does: write straight to fd 1\n"
+            "    show(self, renderable)\n"
+            "console.Output.show = noisy\n"
+            "cli.main(['doctor', '--json'])\ncli.main(['doctor', '--json'])\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "native-noise" in result.stderr and "native-noise" not in result.stdout
+    decoder, text, documents = json.JSONDecoder(), result.stdout.strip(), []
+    while text:
+        document, end = decoder.raw_decode(text)
+        documents.append(document)
+        text = text[end:].strip()
+    assert len(documents) == 2 and documents[0]["backend"] == "cpu"

@@ -342,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         out.error(f"fashionjax {args.command}: {lines[0]}{more}")
         return exit_code(err)
     finally:
+        out.close()
         if debug:
             out.error(f"[{time.perf_counter() - started:.2f}s]")
 

@@ -37,6 +37,14 @@ class Output:
         os.dup2(2, 1)
         return saved
 
+    def close(self) -> None:
+        """Give fd 1 back to the real stdout (main() may be called again in the same process)."""
+        if self.json_fd is not None:
+            sys.stdout.flush()
+            os.dup2(self.json_fd, 1)
+            os.close(self.json_fd)
+            self.json_fd = None
+
     def note(self, message: str) -> None:
         if not self.quiet:
             self.error(message)
