@@ -16,7 +16,6 @@ from fashionjax import (
     artifacts,
     checkpoint,
     data,
-    distributed,
     environment,
     evaluate,
     models,
@@ -36,7 +35,7 @@ def is_writer() -> bool:
     return jax.process_index() == 0
 
 
-def write_config(run_dir: Path, config: TrainConfig, dataset: data.Dataset, mesh, extra: dict) -> None:
+def write_config(run_dir: Path, config: TrainConfig, dataset: data.Dataset, mesh) -> None:
     """config.json: the resolved config plus what the report needs to describe the run."""
     model = models.get(config.model)
     params = jax.eval_shape(model.init, jax.random.key(0))
@@ -48,13 +47,12 @@ def write_config(run_dir: Path, config: TrainConfig, dataset: data.Dataset, mesh
         "model": {"name": model.name, "description": model.description,
                   "params": models.count_params(params), "leaves": models.param_table(params),
                   "train_flops_per_example": model.train_flops_per_example},
-        **extra,
     }
     artifacts.atomic_write_json(run_dir / "config.json", document)
 
 
 def train_and_evaluate(config: TrainConfig, dataset: data.Dataset, run_dir: Path, mesh, resume: bool = False,
-          hooks: train.Hooks | None = None, extra: dict | None = None) -> dict:
+                       hooks: train.Hooks | None = None) -> dict:
     """Fit, evaluate on the whole test set, and write every artifact; returns summary.json."""
     hooks = hooks or train.Hooks()
     metrics_path = run_dir / "metrics.jsonl"
@@ -66,11 +64,11 @@ def train_and_evaluate(config: TrainConfig, dataset: data.Dataset, run_dir: Path
     elif is_writer():
         plots.samples(dataset.train.images_u8, dataset.train.labels, dataset.class_names, run_dir / "samples.png")
     if is_writer():
-        write_config(run_dir, config, dataset, mesh, extra or {})
+        write_config(run_dir, config, dataset, mesh)
     dropped = len(dataset.train.labels) % config.batch_size
     if dropped:
         hooks.on_note(f"each epoch drops the last {dropped} training examples (a partial batch)")
-    _, data_key = jax.random.split(jax.random.key(config.seed))
+    _, data_key = train.root_keys(config.seed)
     checkpointer = checkpoint.Checkpointer(run_dir / "checkpoints", config, every=config.checkpoint_every,
                                            keep=config.keep, data_key=data_key)
     try:
@@ -150,7 +148,7 @@ def rescore(run_dir: Path, dataset: data.Dataset, mesh) -> dict:
         state = checkpointer.restore(template)
     finally:
         checkpointer.close()
-    scored = evaluate.run(distributed.replicate_tree(state.params, mesh), config.model, dataset.test.images_u8,
+    scored = evaluate.run(state.params, config.model, dataset.test.images_u8,
                           dataset.test.labels, config.dtype, config.eval_batch_size, mesh)
     scored["report"]["step"] = meta["step"]
     scored["report"]["params_digest"] = train.params_digest(state.params)

@@ -95,9 +95,15 @@ def make_train_step(model: models.Model, optimizer: optax.GradientTransformation
     return train_step
 
 
-def init_state(model: models.Model, optimizer, seed: int) -> tuple[TrainState, jax.Array]:
-    """Fresh state and the data-order key, both from one root key split by purpose."""
+def root_keys(seed: int) -> tuple[jax.Array, jax.Array]:
+    """(init_key, data_key): the root key from --seed, split by purpose."""
     init_key, data_key = jax.random.split(jax.random.key(seed))
+    return init_key, data_key
+
+
+def init_state(model: models.Model, optimizer, seed: int) -> tuple[TrainState, jax.Array]:
+    """Fresh state and the data-order key."""
+    init_key, data_key = root_keys(seed)
     params = model.init(init_key)
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params)), data_key
 
