@@ -148,17 +148,13 @@ def _timed(run: Callable[[], tuple], repeats: int, examples_per_run: int) -> tup
 def fused_runner(work: Workload, steps: int):
     """The trainer's scanned chunks; returns (compile_seconds, run) with run() -> host metrics."""
     state, data_key, step_fn = work.fresh()
-    replicated = distributed.replicated(work.mesh)
     chunk_steps = min(CODELAB_LOG_EVERY, steps)
     count = train.perms_per_chunk(chunk_steps, work.steps_per_epoch)
-    epoch = distributed.put_replicated(np.int32(0), work.mesh)
     key_data = distributed.put_replicated(np.asarray(jax.random.key_data(data_key)), work.mesh)
-    perms = jax.jit(train.epoch_permutations, static_argnums=(2, 3), out_shardings=replicated)(
-        key_data, epoch, count, int(work.images_u8.shape[0]))
-    chunk = train.make_chunk(step_fn, chunk_steps, work.steps_per_epoch, work.config.batch_size, work.mesh)
+    epoch, perms = train.place_orders(key_data, 0, count, int(work.images_u8.shape[0]), work.mesh)
     tic = time.perf_counter()
-    compiled = jax.jit(chunk, in_shardings=replicated, out_shardings=replicated, donate_argnums=0).lower(
-        state, perms, epoch, work.images_u8, work.labels).compile()
+    compiled = train.compile_chunk(step_fn, chunk_steps, work.steps_per_epoch, work.config.batch_size, work.mesh,
+                                   (state, perms, epoch, work.images_u8, work.labels))
     compile_seconds = time.perf_counter() - tic
     holder = {"state": state, "step": 0}  # the host's copy of the step: no device read needed
 

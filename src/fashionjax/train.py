@@ -7,6 +7,7 @@ Everything under jit is a pure function of PyTrees. The host loop dispatches one
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from functools import partial
@@ -132,6 +133,18 @@ def epoch_permutations(data_key_data, first_epoch, count: int, num_examples: int
     return jax.vmap(one)(first_epoch + jnp.arange(count))
 
 
+@functools.lru_cache(maxsize=8)
+def _placed_permutations(mesh):
+    replicated = distributed.replicated(mesh)
+    return jax.jit(epoch_permutations, static_argnums=(2, 3), out_shardings=replicated)
+
+
+def place_orders(key_data, first_epoch: int, count: int, num_examples: int, mesh):
+    """The orders a chunk starting in first_epoch may read, computed on the mesh: (epoch_index, perms)."""
+    epoch_index = distributed.put_replicated(np.int32(first_epoch), mesh)
+    return epoch_index, _placed_permutations(mesh)(key_data, epoch_index, count, num_examples)
+
+
 def augment_batch(key, images_u8, max_shift: int = 1):
     """Random horizontal flips and shifts of up to max_shift pixels: (B, 784) uint8 -> (B, 784) uint8.
 
@@ -176,6 +189,15 @@ def make_chunk(train_step: Callable, num_steps: int, steps_per_epoch: int, batch
         return jax.lax.scan(body, state, None, length=num_steps)
 
     return run_chunk
+
+
+def compile_chunk(train_step: Callable, num_steps: int, steps_per_epoch: int, batch_size: int, mesh, args,
+                  augment_key_data: np.ndarray | None = None):
+    """Compile a chunk ahead of time for these arguments; the state buffers are donated."""
+    chunk = make_chunk(train_step, num_steps, steps_per_epoch, batch_size, mesh, augment_key_data)
+    replicated = distributed.replicated(mesh)
+    return jax.jit(chunk, in_shardings=replicated, out_shardings=replicated, donate_argnums=0).lower(
+        *args).compile()
 
 
 @dataclasses.dataclass
@@ -249,12 +271,10 @@ def fit(
     labels = distributed.put_replicated(train_labels.astype(np.int32), mesh)
 
     step = int(distributed.fetch(state.step))  # deliberate sync: once, before the loop
-    replicated = distributed.replicated(mesh)
     compiled: dict[int, Any] = {}
     compile_seconds = 0.0
     perm_count = perms_per_chunk(config.log_every, steps_per_epoch)
-    permutations = jax.jit(epoch_permutations, static_argnums=(2, 3), out_shardings=replicated)
-    perms, perms_epoch = None, None
+    perms, epoch_index, perms_epoch = None, None, None
     augment_key = augment_key_data(config.seed) if config.augment else None
     clock = _Clock()
     last_loss = None
@@ -263,17 +283,14 @@ def fit(
         num_steps = end - step
         first_epoch = step // steps_per_epoch
         with jax.transfer_guard("disallow"):  # the hot path: any implicit host<->device copy is a bug
-            epoch_index = distributed.put_replicated(np.int32(first_epoch), mesh)
-            if perms_epoch != first_epoch:
-                perms = permutations(key_data, epoch_index, perm_count, num_examples)
+            if perms_epoch != first_epoch:  # once an epoch, not once a chunk
+                epoch_index, perms = place_orders(key_data, first_epoch, perm_count, num_examples, mesh)
                 perms_epoch = first_epoch
             args = (state, perms, epoch_index, images_u8, labels)
             if num_steps not in compiled:
                 tic = time.perf_counter()
-                chunk = make_chunk(train_step, num_steps, steps_per_epoch, config.batch_size, mesh, augment_key)
-                compiled[num_steps] = jax.jit(
-                    chunk, in_shardings=replicated, out_shardings=replicated, donate_argnums=0,
-                ).lower(*args).compile()
+                compiled[num_steps] = compile_chunk(train_step, num_steps, steps_per_epoch, config.batch_size,
+                                                    mesh, args, augment_key)
                 compile_seconds += time.perf_counter() - tic
             tic = time.perf_counter()
             state, chunk_metrics = compiled[num_steps](*args)
