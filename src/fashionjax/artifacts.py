@@ -12,26 +12,22 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
-from fashionjax.config import ConfigError
-
-RUN_FILES = ("config.json", "metrics.jsonl", "summary.json", "eval.json", "report.html", "checkpoints",
-             "samples.png", "curve.png", "confusion.png", "predictions.png", "mistakes.png", "bench.json",
-             "bench_modes.png", "bench_batch.png")
-
-
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
-class RunDirError(Exception):
-    """The run directory cannot be used as asked."""
+class ArtifactError(RuntimeError):
+    """A file fashionjax reads is not what it should be; the message names the file."""
+
+
+class OutputDirError(RuntimeError):
+    """An output directory cannot be created or written."""
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
@@ -85,7 +81,13 @@ def atomic_write_json(path: str | Path, document) -> None:
 
 
 def read_json(path: str | Path):
-    return json.loads(Path(path).read_text())
+    """Parse a JSON file; a malformed one is an ArtifactError naming the file and the place."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ArtifactError(f"{path}: not valid JSON ({err.msg} at line {err.lineno})") from None
+    except UnicodeDecodeError:
+        raise ArtifactError(f"{path}: not valid JSON (not UTF-8 text)") from None
 
 
 def append_jsonl(path: str | Path, records: Iterable[dict]) -> None:
@@ -100,16 +102,21 @@ def append_jsonl(path: str | Path, records: Iterable[dict]) -> None:
 def read_jsonl(path: str | Path) -> list[dict]:
     """Read JSON Lines, skipping a torn last line (a write that never finished)."""
     try:
-        lines = [line for line in Path(path).read_text(encoding="utf-8").split("\n") if line.strip()]
+        lines = [line for line in Path(path).read_text(encoding="utf-8", errors="replace").split("\n")
+                 if line.strip()]
     except FileNotFoundError:
         return []
     records = []
     for number, line in enumerate(lines):
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number < len(lines) - 1:
-                raise
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            if number == len(lines) - 1:
+                break  # a torn last line: the write that never finished
+            raise ArtifactError(f"{path}: line {number + 1} is not valid JSON ({err.msg})") from None
+        if not isinstance(record, dict):
+            raise ArtifactError(f"{path}: line {number + 1} is not a JSON object")
+        records.append(record)
     return records
 
 
@@ -134,19 +141,6 @@ def utc_stamp() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
-def prepare_run_dir(run_dir: str | Path, overwrite: bool = False, resume: bool = False) -> Path:
-    """Create (or reuse) a run directory, refusing to mix a new run into an old one."""
-    run_dir = Path(run_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RunDirError(f"{run_dir}: exists and is not a directory")
-    if run_dir.is_dir() and any(run_dir.iterdir()) and not (overwrite or resume):
-        raise ConfigError(f"{run_dir}: run directory is not empty (use --overwrite or --resume)")
-    ensure_dir(run_dir)
-    if overwrite and not resume:
-        _clear_run_files(run_dir)
-    return run_dir
-
-
 def ensure_dir(directory: str | Path) -> Path:
     """Create an output directory (keeping what is in it) and check that it takes files."""
     directory = Path(directory)
@@ -156,18 +150,8 @@ def ensure_dir(directory: str | Path) -> Path:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
-        raise RunDirError(f"{directory}: output directory is not writable ({err.strerror})") from err
+        raise OutputDirError(f"{directory}: output directory is not writable ({err.strerror})") from err
     return directory
-
-
-def _clear_run_files(run_dir: Path) -> None:
-    """Remove what an earlier run wrote (and nothing else a user may keep there)."""
-    for name in RUN_FILES:
-        entry = run_dir / name
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry)
-        elif entry.exists() or entry.is_symlink():
-            entry.unlink()
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fashionjax import distributed, environment, models, train
-from fashionjax.config import ConfigError, TrainConfig
+from fashionjax import plan as plan_lib
+from fashionjax.config import DTYPES, ConfigError, TrainConfig
 
 MODES = ("eager", "jit-step", "fused")
 CODELAB_LOG_EVERY = 25  # the codelab reads metrics to the host every 25 steps
@@ -48,15 +49,17 @@ def quick() -> BenchConfig:
     return BenchConfig(batch_sizes=(512, 2048), steps=25, repeats=3, eager_steps=3)
 
 
-def validate(config: BenchConfig, num_examples: int) -> BenchConfig:
+def validate(config: BenchConfig, num_examples: int, device_count: int = 1) -> BenchConfig:
+    """Return the config unchanged, or raise ConfigError naming the flag and the bad value."""
     if config.model not in models.REGISTRY:
         raise ConfigError(f"unknown model {config.model!r} (choose from {', '.join(models.REGISTRY)})")
+    if not config.dtypes or not config.batch_sizes:
+        raise ConfigError(f"--{'dtypes' if not config.dtypes else 'batch-sizes'}: the list is empty")
     for dtype in config.dtypes:
-        if dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"unknown dtype {dtype!r} (choose from float32, bfloat16)")
+        if dtype not in DTYPES:
+            raise ConfigError(f"--dtypes: unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     for size in config.batch_sizes:
-        if not 1 <= size <= num_examples:
-            raise ConfigError(f"batch size {size} must be between 1 and {num_examples}")
+        plan_lib.resolve(TrainConfig(batch_size=size), num_examples, device_count)
     if config.steps < 1 or config.repeats < 1:
         raise ConfigError("--steps and --repeats must be at least 1")
     return config
@@ -125,13 +128,13 @@ class Workload:
     def fresh(self):
         model = models.get(self.config.model)
         optimizer = train.make_optimizer(self.config, 10**6)
-        state, data_key = train.init_state(model, optimizer, self.config.seed)
+        state = train.init_state(model, optimizer, self.config.seed)
         step = train.make_train_step(model, optimizer, train.compute_dtype(self.config.dtype))
-        return distributed.replicate_tree(state, self.mesh), data_key, step
+        return distributed.replicate_tree(state, self.mesh), step
 
-    @property
-    def steps_per_epoch(self) -> int:
-        return int(self.images_u8.shape[0]) // self.config.batch_size
+    def plan(self, log_every: int) -> plan_lib.Plan:
+        config = dataclasses.replace(self.config, log_every=log_every, steps=10**6, epochs=None)
+        return plan_lib.resolve(config, int(self.images_u8.shape[0]), int(self.mesh.devices.size))
 
 
 def _timed(run: Callable[[], tuple], repeats: int, examples_per_run: int) -> tuple[list[float], dict]:
@@ -147,13 +150,13 @@ def _timed(run: Callable[[], tuple], repeats: int, examples_per_run: int) -> tup
 
 def fused_runner(work: Workload, steps: int):
     """The trainer's scanned chunks; returns (compile_seconds, run) with run() -> host metrics."""
-    state, data_key, step_fn = work.fresh()
-    chunk_steps = min(CODELAB_LOG_EVERY, steps)
-    count = train.perms_per_chunk(chunk_steps, work.steps_per_epoch)
-    key_data = distributed.put_replicated(np.asarray(jax.random.key_data(data_key)), work.mesh)
-    epoch, perms = train.place_orders(key_data, 0, count, int(work.images_u8.shape[0]), work.mesh)
+    state, step_fn = work.fresh()
+    plan = work.plan(min(CODELAB_LOG_EVERY, steps))
+    chunk_steps, count = plan.log_every, plan.perms_per_chunk
+    key_data = distributed.put_replicated(plan.key_data("data"), work.mesh)
+    epoch, perms = train.place_orders(key_data, 0, count, plan.num_examples, work.mesh)
     tic = time.perf_counter()
-    compiled = train.compile_chunk(step_fn, chunk_steps, work.steps_per_epoch, work.config.batch_size, work.mesh,
+    compiled = train.compile_chunk(step_fn, chunk_steps, plan, work.mesh,
                                    (state, perms, epoch, work.images_u8, work.labels))
     compile_seconds = time.perf_counter() - tic
     holder = {"state": state, "step": 0}  # the host's copy of the step: no device read needed
@@ -162,7 +165,7 @@ def fused_runner(work: Workload, steps: int):
         metrics = None
         for _ in range(steps // chunk_steps):
             state = holder["state"]
-            if holder["step"] + chunk_steps > count * work.steps_per_epoch:  # rewind within the orders made
+            if holder["step"] + chunk_steps > count * plan.steps_per_epoch:  # rewind within the orders made
                 state = state._replace(step=distributed.put_replicated(np.int32(0), work.mesh))
                 holder["step"] = 0
             holder["state"], metrics = compiled(state, perms, epoch, work.images_u8, work.labels)
@@ -175,9 +178,9 @@ def fused_runner(work: Workload, steps: int):
 
 def per_step_runner(work: Workload, steps: int, jit: bool):
     """The codelab's loop: one step per Python iteration, a host read every 25 steps."""
-    state, _, step_fn = work.fresh()
-    batch = work.config.batch_size
-    num_batches = work.steps_per_epoch
+    state, step_fn = work.fresh()
+    plan = work.plan(CODELAB_LOG_EVERY)
+    batch, num_batches = plan.batch_size, plan.steps_per_epoch
     images = work.images_u8[: num_batches * batch].reshape(num_batches, batch, -1)  # (nb, B, 784)
     labels = work.labels[: num_batches * batch].reshape(num_batches, batch)
     compile_seconds = 0.0
@@ -244,14 +247,13 @@ def run(config: BenchConfig, train_images_u8: np.ndarray, train_labels: np.ndarr
     """Every case of a benchmark; returns the bench.json document (without charts)."""
     mesh = mesh if mesh is not None else distributed.make_mesh("all")
     num_examples = len(train_labels)
-    validate(config, num_examples)
+    validate(config, num_examples, int(mesh.devices.size))
     model = models.get(config.model)
     env = environment.describe(with_git=True)
     base = TrainConfig(model=config.model, schedule="constant", epochs=None, steps=config.steps)
     placed = {}  # the training data, once per mesh
 
     def work(dtype: str, batch: int, on_mesh=mesh) -> Workload:
-        distributed.check_batch(batch, on_mesh)
         if id(on_mesh) not in placed:
             placed[id(on_mesh)] = (
                 distributed.put_replicated(train_images_u8.reshape(num_examples, -1), on_mesh),

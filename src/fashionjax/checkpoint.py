@@ -1,21 +1,23 @@
-"""Checkpoints with orbax-checkpoint: save, restore, and the checks that make resume safe.
+"""Checkpoints with orbax-checkpoint: save, restore the newest intact one, and the resume checks.
 
-A checkpoint holds the whole TrainState (parameters, optimizer state, step) plus JSON metadata:
-the resolved config, the versions, the data-order key and position. Orbax writes each step to a
-temporary directory and renames it when complete, so only finalized checkpoints are ever listed.
+A checkpoint holds the whole TrainState (parameters, optimizer state, step) plus JSON metadata: the
+resolved config, the plan, the training figures so far and the versions. Orbax writes each step to
+a temporary directory and renames it when complete, so only finalized checkpoints are listed.
+Readers (`eval`, `report`, the resume checks) open the directory read-only: they never create,
+clean or delete anything in a run that may still be training.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 import fashionjax
+from fashionjax import plan as plan_lib
 from fashionjax.config import TRAJECTORY_FIELDS, TrainConfig
 
 # Orbax logs every save at INFO through absl; keep the terminal for our own progress lines.
@@ -32,46 +34,90 @@ class ResumeError(RuntimeError):
 
 def _manager(directory: Path, keep: int = 3, writer: bool = True) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=writer,
+        max_to_keep=keep, create=writer, read_only=not writer,
         enable_async_checkpointing=False,  # the next chunk donates these buffers: save must finish first
-        cleanup_tmp_directories=writer,  # a save killed half-way leaves only a tmp dir: remove it
+        cleanup_tmp_directories=writer,  # only the run's owner may remove a half-written save
     )
     return ocp.CheckpointManager(directory.absolute(), options=options)
 
 
-def describe_config(config: TrainConfig) -> dict:
-    return dataclasses.asdict(config)
+def _newest_first(manager: ocp.CheckpointManager) -> list[int]:
+    return sorted(manager.all_steps(), reverse=True)
+
+
+def _restore_newest(manager, checkpoint_dir: Path, args_for: Callable[[], dict],
+                    note: Callable[[str], None]) -> tuple[int, dict, list[int]]:
+    """(step, restored items, unreadable newer steps) of the newest checkpoint that reads back whole."""
+    broken: list[int] = []
+    errors = []
+    for step in _newest_first(manager):
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(**args_for()))
+        except Exception as err:  # orbax reports damage as many types; any of them means "not this one"
+            broken.append(step)
+            errors.append(f"step {step}: {_first_line(err)}")
+            continue
+        if broken:
+            note(f"{checkpoint_dir}: checkpoint{'s' if len(broken) > 1 else ''} at step "
+                 f"{', '.join(map(str, broken))} unreadable ({errors[0]}); using the one at step {step}")
+        return step, restored, broken
+    if errors:
+        raise CheckpointError(f"{checkpoint_dir}: no checkpoint reads back whole ({'; '.join(errors)})")
+    raise CheckpointError(f"{checkpoint_dir}: no finalized checkpoint")
+
+
+def latest_meta(checkpoint_dir: str | Path, note: Callable[[str], None] = lambda message: None) -> dict | None:
+    """The metadata of the newest readable checkpoint (read-only), or None when there is none."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        return None
+    manager = _manager(checkpoint_dir, writer=False)
+    try:
+        if not manager.all_steps():
+            return None
+        _, restored, _ = _restore_newest(manager, checkpoint_dir, lambda: {"meta": ocp.args.JsonRestore()}, note)
+        return restored["meta"]
+    finally:
+        manager.close()
+
+
+def _state_args(template_state) -> dict:
+    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, template_state._asdict())
+    return {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
+
+
+def read_latest(checkpoint_dir: str | Path, template_state, note: Callable[[str], None] = lambda m: None):
+    """(step, state, meta) of the newest intact checkpoint, opened read-only (for eval)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise CheckpointError(f"{checkpoint_dir}: no finalized checkpoint")
+    manager = _manager(checkpoint_dir, writer=False)
+    try:
+        step, restored, _ = _restore_newest(manager, checkpoint_dir, lambda: _state_args(template_state), note)
+    finally:
+        manager.close()
+    return step, type(template_state)(**restored["state"]), restored["meta"]
 
 
 class Checkpointer:
-    """Saves TrainStates of one run; restores the latest finalized one."""
+    """Saves the TrainStates of the one run that owns the directory; restores the newest intact one."""
 
-    def __init__(self, directory: str | Path, config: TrainConfig, every: int | None = None, keep: int = 3,
-                 data_key=None):
+    def __init__(self, directory: str | Path, config: TrainConfig, keep: int = 3):
         self.directory = Path(directory)
         self.config = config
-        self.every = every
-        self.data_key = data_key
         try:
             self.manager = _manager(self.directory, keep)
         except OSError as err:
             raise CheckpointError(f"{self.directory}: cannot create checkpoint directory ({err})") from err
 
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
-
-    def due(self, step: int, num_steps: int, steps_per_epoch: int) -> bool:
-        """Whether the chunk that just ended crossed a checkpoint boundary."""
-        every = self.every or steps_per_epoch
-        return step // every > (step - num_steps) // every
-
-    def save(self, step: int, state) -> None:
+    def save(self, step: int, state, plan: plan_lib.Plan, stats: dict) -> None:
         meta = {
             "step": step,
             "config": describe_config(self.config),
+            "plan": plan.to_dict(),
+            "stats": stats,
             "fashionjax_version": fashionjax.__version__,
             "jax_version": jax.__version__,
-            "data_key": None if self.data_key is None else np.asarray(jax.random.key_data(self.data_key)).tolist(),
         }
         try:
             self.manager.save(step, args=ocp.args.Composite(
@@ -80,48 +126,37 @@ class Checkpointer:
         except Exception as err:  # orbax surfaces I/O faults as many types; name the step and the cause
             raise CheckpointError(f"checkpoint at step {step} could not be written: {_first_line(err)}") from err
 
-    def restore(self, template_state):
-        """Restore the latest checkpoint into the structure (and types) of template_state."""
-        step = self.latest_step()
-        abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, template_state._asdict())
-        try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract)))
-        except Exception as err:
-            raise CheckpointError(f"checkpoint at step {step} could not be read: {_first_line(err)}") from err
-        return type(template_state)(**restored["state"])
+    def restore_latest(self, template_state, note: Callable[[str], None] = lambda message: None):
+        """(step, state, meta) of the newest intact checkpoint; unreadable newer ones are removed,
+        so that the steps they held can be saved again."""
+        step, restored, broken = _restore_newest(self.manager, self.directory,
+                                                 lambda: _state_args(template_state), note)
+        for bad in broken:
+            self.manager.delete(bad)
+        return step, type(template_state)(**restored["state"]), restored["meta"]
 
     def close(self) -> None:
         self.manager.close()
 
 
-def read_meta(checkpoint_dir: str | Path) -> dict | None:
-    """The metadata of the latest finalized checkpoint, or None when there is none."""
-    checkpoint_dir = Path(checkpoint_dir)
-    if not checkpoint_dir.is_dir():
-        return None
-    manager = _manager(checkpoint_dir, writer=False)
-    try:
-        step = manager.latest_step()
-        if step is None:
-            return None
-        return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    finally:
-        manager.close()
+def describe_config(config: TrainConfig) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(config)
 
 
-def check_resume(checkpoint_dir: str | Path, config: TrainConfig) -> dict:
-    """Refuse a resume with no checkpoint or with a different trajectory; returns the metadata."""
-    meta = read_meta(checkpoint_dir)
-    if meta is None:
-        raise ResumeError(f"{checkpoint_dir}: no finalized checkpoint to resume from")
+def check_resume(meta: dict, config: TrainConfig, plan: plan_lib.Plan) -> None:
+    """Refuse a resume that would not continue the saved run's trajectory, naming every difference."""
     saved = meta["config"]
     wanted = describe_config(config)
     differences = [f"{name} {saved.get(name)!r} -> {wanted[name]!r}" for name in TRAJECTORY_FIELDS
                    if saved.get(name) != wanted[name]]
+    differences += plan_lib.differences(meta.get("plan", {}), plan)
     if differences:
         raise ResumeError("cannot resume with a different config: " + ", ".join(differences))
-    return meta
+    if plan.total_steps < meta["step"]:
+        raise ResumeError(f"--steps {plan.total_steps} is below the checkpoint's step {meta['step']}: "
+                          "a run cannot be shortened past where it is")
 
 
 def _first_line(err: BaseException) -> str:

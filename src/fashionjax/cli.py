@@ -1,7 +1,10 @@
 """The command line: the only argv parser. Each subcommand builds a config and calls the library.
 
-Exit codes: 0 ok; 1 runtime failure (data, divergence, I/O); 2 bad usage or config (before any
-file is written); 130/143 interrupted by SIGINT/SIGTERM after saving.
+Exit codes: 0 ok; 1 runtime failure (data, divergence, I/O, a busy run directory); 2 bad usage or
+config (before any file is written); 130/143 interrupted by SIGINT/SIGTERM.
+
+This module imports nothing heavy at the top: main() installs the signal handlers first, so a
+Ctrl-C while NumPy and JAX load still ends the command cleanly.
 """
 
 from __future__ import annotations
@@ -9,13 +12,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import signal
+import shlex
 import sys
 import time
 from pathlib import Path
 
-from fashionjax import __version__, artifacts, console, data
-from fashionjax.config import DTYPES, MODELS, OPTIMIZERS, SCHEDULES, ConfigError
+from fashionjax import __version__
+from fashionjax.config import MODELS, ConfigError, TrainConfig
+from fashionjax.signals import Interrupted, StopRequests
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -29,6 +33,18 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
+def _devices(text: str) -> str | int:
+    if text == "all":
+        return text
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'all', got {text!r}")
+    return count
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print exactly one JSON document on stdout")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -40,7 +56,36 @@ def _data_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offline", action="store_true", default=None, help="never use the network")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _recipe_model(argv: list[str]) -> str:
+    """The --model named on the command line (so --help can show that model's recipe defaults)."""
+    for i, arg in enumerate(argv):
+        value = arg.split("=", 1)[1] if arg.startswith("--model=") else (
+            argv[i + 1] if arg == "--model" and i + 1 < len(argv) else None)
+        if value in MODELS:
+            return value
+    return "mlp"
+
+
+def _config_flags(parser: argparse.ArgumentParser, recipe: TrainConfig) -> None:
+    """One flag per TrainConfig field that carries help metadata; defaults shown are the recipe's."""
+    length = parser.add_mutually_exclusive_group()
+    for field in dataclasses.fields(TrainConfig):
+        if "help" not in field.metadata:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        default = getattr(recipe, field.name)
+        text = f"{field.metadata['help']} (default: {'unset' if default is None else default})"
+        target = length if field.metadata.get("group") == "length" else parser
+        if field.type == "bool":
+            target.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            kind = int if field.type.startswith("int") else float if field.type.startswith("float") else str
+            target.add_argument(flag, type=kind, choices=field.metadata.get("choices"), help=text)
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    from fashionjax import config as config_lib
+
     parser = _Parser(prog="fashionjax", description="Train and evaluate Fashion-MNIST classifiers with JAX.")
     parser.add_argument("--version", action="version", version=f"fashionjax {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -54,56 +99,50 @@ def build_parser() -> argparse.ArgumentParser:
     _data_flags(data_cmd)
     _common(data_cmd)
 
-    train_cmd = sub.add_parser("train", help="train a model, evaluate it, write a run directory")
-    train_cmd.add_argument("--model", default="mlp", help=f"one of {', '.join(MODELS)} (default mlp)")
-    length = train_cmd.add_mutually_exclusive_group()
-    length.add_argument("--epochs", type=int, help="passes over the training set (default: recipe's)")
-    length.add_argument("--steps", type=int, help="optimizer steps (instead of --epochs)")
-    train_cmd.add_argument("--batch-size", type=int, help="global batch size (default 512)")
-    train_cmd.add_argument("--optimizer", help=f"one of {', '.join(OPTIMIZERS)} (default adamw)")
-    train_cmd.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
-    train_cmd.add_argument("--schedule", help=f"one of {', '.join(SCHEDULES)} (default cosine)")
-    train_cmd.add_argument("--weight-decay", type=float, help="decoupled weight decay (default 1e-4)")
-    train_cmd.add_argument("--clip-norm", type=float, help="clip gradients to this global norm")
-    train_cmd.add_argument("--dtype", help=f"compute dtype: {', '.join(DTYPES)} (default float32)")
-    train_cmd.add_argument("--augment", action=argparse.BooleanOptionalAction, default=None,
-                           help="random flips and 2-pixel shifts (default: on for cnn, off for mlp)")
-    train_cmd.add_argument("--seed", type=int, help="root of all randomness (default 0)")
-    train_cmd.add_argument("--log-every", type=int, help="steps per compiled chunk and log point (25)")
-    train_cmd.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (an epoch)")
-    train_cmd.add_argument("--keep", type=int, help="checkpoints to keep (default 3)")
-    train_cmd.add_argument("--run-dir", help="output directory (default runs/<UTC time>-<model>)")
-    train_cmd.add_argument("--overwrite", action="store_true", help="replace a non-empty run directory")
-    train_cmd.add_argument("--resume", action="store_true", help="continue --run-dir from its latest checkpoint")
-    train_cmd.add_argument("--devices", default="all", help="how many local devices to use, or 'all'")
+    model = _recipe_model(argv or [])
+    train_cmd = sub.add_parser(
+        "train", help="train a model, evaluate it, write a run directory",
+        epilog=f"Defaults shown are the {model} recipe's; `fashionjax train --model NAME --help` shows another "
+               "model's. With --resume, every setting comes from the saved run; only the length and the "
+               "cadences may be given.")
+    _config_flags(train_cmd, config_lib.default(model))
+    train_cmd.add_argument("--run-dir", help="output directory (default runs/<UTC time>-<model>-<suffix>)")
+    train_cmd.add_argument("--overwrite", action="store_true",
+                           help="replace the fashionjax run in --run-dir (never deletes other files)")
+    train_cmd.add_argument("--resume", action="store_true", help="continue --run-dir from its newest checkpoint")
+    train_cmd.add_argument("--devices", type=_devices, default="all", help="how many local devices to use, or 'all'")
     train_cmd.add_argument("--coordinator", help="HOST:PORT of process 0, for multi-process runs")
     train_cmd.add_argument("--num-processes", type=int, help="number of processes (multi-process)")
     train_cmd.add_argument("--process-id", type=int, help="this process's index (multi-process)")
+    train_cmd.add_argument("--coordinator-timeout", type=float, default=60.0,
+                           help="seconds to wait for the coordinator and the other processes (default 60)")
     train_cmd.add_argument("--auto-distributed", action="store_true",
                            help="start jax.distributed from the cluster environment (SLURM, MPI, TPU pods)")
     _data_flags(train_cmd)
     _common(train_cmd)
 
-    eval_cmd = sub.add_parser("eval", help="re-score a run's final parameters on all 10,000 test images")
-    eval_cmd.add_argument("run_dir", help="a run directory written by `fashionjax train`")
+    eval_cmd = sub.add_parser("eval", help="re-score a run's newest checkpoint on all 10,000 test images")
+    eval_cmd.add_argument("run_dir", help="a run directory written by `fashionjax train` (may still be training)")
     _data_flags(eval_cmd)
     _common(eval_cmd)
 
     bench_cmd = sub.add_parser("bench", help="measure training throughput honestly (modes, dtypes, batches, MFU)")
-    bench_cmd.add_argument("--model", default="mlp", help="model to measure (default mlp)")
+    bench_cmd.add_argument("--model", choices=MODELS, default="mlp", help="model to measure (default mlp)")
     bench_cmd.add_argument("--batch-sizes", help="comma-separated global batch sizes (default 128,512,2048,8192)")
     bench_cmd.add_argument("--dtypes", help="comma-separated compute dtypes (default float32,bfloat16)")
     bench_cmd.add_argument("--steps", type=int, help="timed steps per repeat (default 100)")
     bench_cmd.add_argument("--repeats", type=int, help="timed repeats per case (default 5)")
     bench_cmd.add_argument("--quick", action="store_true", help="a smaller sweep that ends within a minute")
-    bench_cmd.add_argument("--devices", default="all", help="how many local devices to use, or 'all'")
+    bench_cmd.add_argument("--devices", type=_devices, default="all", help="how many local devices to use, or 'all'")
     bench_cmd.add_argument("--out", help="output directory (default runs/bench-<UTC time>)")
     _data_flags(bench_cmd)
     _common(bench_cmd)
 
-    report_cmd = sub.add_parser("report", help="write RUN_DIR/report.html from the run's saved files")
+    report_cmd = sub.add_parser("report", help="write report.html from a run's saved files")
     report_cmd.add_argument("run_dir", help="a run directory written by `fashionjax train`")
     report_cmd.add_argument("--bench", help="a bench.json to include (default: RUN_DIR/bench.json if present)")
+    report_cmd.add_argument("--out", help="write the report here instead of RUN_DIR/report.html "
+                                          "(needed while the run is still training)")
     _common(report_cmd)
     return parser
 
@@ -111,8 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------- commands
 
 
-def cmd_doctor(args, out: console.Output) -> int:
-    from fashionjax import environment
+def cmd_doctor(args, out) -> int:
+    from fashionjax import console, environment
 
     info = environment.describe(with_git=True)
     has_gpu = any(d["platform"] == "gpu" for d in info["devices"])
@@ -122,20 +161,23 @@ def cmd_doctor(args, out: console.Output) -> int:
                                    "process_count", "cpu_model", "cpu_cores", "matmul_precision")]
     out.show(console.table("fashionjax doctor", ["item", "value"], rows))
     out.show(console.table("devices", ["id", "platform", "kind", "memory"],
-                    [(d["id"], d["platform"], d["kind"], console.human_bytes(d["memory_bytes"])) for d in info["devices"]]))
-    out.document(info)
+                           [(d["id"], d["platform"], d["kind"], console.human_bytes(d["memory_bytes"]))
+                            for d in info["devices"]]))
     if args.require_gpu and not has_gpu:
-        out.error(f"fashionjax doctor: no GPU visible (backend is {info['backend']}); "
-                         "install with the cuda extra: pip install 'fashionjax[cuda]'")
-        return EXIT_FAILURE
+        raise RuntimeError(f"no GPU visible (backend is {info['backend']}); install with the cuda extra: "
+                           "pip install 'fashionjax[cuda]'")
+    out.document(info)
     return EXIT_OK
 
 
-def _load_data(args, out: console.Output) -> data.Dataset:
+def _load_data(args, out):
+    from fashionjax import data
+
     return data.load(args.data_dir, offline=args.offline, log=out.note)
 
 
-def cmd_data(args, out: console.Output) -> int:
+def cmd_data(args, out) -> int:
+    from fashionjax import artifacts, console, data
     from fashionjax.report import plots
 
     dataset = _load_data(args, out)
@@ -147,8 +189,9 @@ def cmd_data(args, out: console.Output) -> int:
     rows = [(name, f"{s['images']:,}", tuple(s["shape"]), f"{s['labels']:,}") for name, s in summary["splits"].items()]
     out.show(console.table("Fashion-MNIST", ["split", "images", "image shape", "labels"], rows))
     out.show(console.table("images per class", ["class", "train", "test"],
-                    [(name, summary["splits"]["train"]["class_counts"][i], summary["splits"]["test"]["class_counts"][i])
-                     for i, name in enumerate(dataset.class_names)]))
+                           [(name, summary["splits"]["train"]["class_counts"][i],
+                             summary["splits"]["test"]["class_counts"][i])
+                            for i, name in enumerate(dataset.class_names)]))
     source = dataset.source
     verified = sorted({f["verified_by"] for f in source.get("files", [])})
     out.show(f"source: {source.get('kind')} {source.get('path')} (verified by {', '.join(verified) or 'cached digests'})")
@@ -157,89 +200,139 @@ def cmd_data(args, out: console.Output) -> int:
     return EXIT_OK
 
 
-def _train_config(args, num_examples: int | None):
+def _explicit_config(args) -> dict:
+    """The TrainConfig fields the user typed (flags left unset are None)."""
+    names = [f.name for f in dataclasses.fields(TrainConfig) if "help" in f.metadata]
+    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+
+
+def _fresh_config(explicit: dict) -> TrainConfig:
     from fashionjax import config as config_lib
 
-    base = config_lib.default(args.model)
-    overrides = {
-        "epochs": args.epochs, "steps": args.steps, "batch_size": args.batch_size, "optimizer": args.optimizer,
-        "lr": args.lr, "schedule": args.schedule, "weight_decay": args.weight_decay, "clip_norm": args.clip_norm,
-        "dtype": args.dtype, "augment": args.augment, "seed": args.seed, "log_every": args.log_every,
-        "checkpoint_every": args.checkpoint_every, "keep": args.keep,
-    }
-    overrides = {k: v for k, v in overrides.items() if v is not None}
-    if args.steps is not None:
-        overrides["epochs"] = None
-    return config_lib.validate(dataclasses.replace(base, **overrides), num_examples)
+    if "steps" in explicit:
+        explicit = dict(explicit, epochs=None)
+    return dataclasses.replace(config_lib.default(explicit.get("model", "mlp")), **explicit)
 
 
-class SignalCatcher:
-    """Turn the first SIGINT/SIGTERM into a request to stop at the next chunk end."""
-
-    def __init__(self):
-        self.signum = None
-        self.previous = {}
-
-    def __enter__(self):
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            self.previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.signum is not None:  # a second signal: stop now
-            signal.signal(signum, self.previous[signum])
-            os.kill(os.getpid(), signum)
-        self.signum = signum
-
-    def __exit__(self, *exc):
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-        return False
+def resume_command(args, run_dir: Path) -> str:
+    """The exact, shell-quoted command that continues this run."""
+    words = ["fashionjax", "train", "--resume", "--run-dir", str(run_dir)]
+    if args.data_dir:
+        words += ["--data-dir", args.data_dir]
+    if args.offline:
+        words.append("--offline")
+    return shlex.join(words)
 
 
-def cmd_train(args, out: console.Output) -> int:
+def cmd_train(args, out, stops: StopRequests) -> int:
+    from fashionjax import config as config_lib
+    from fashionjax import rundir
+
+    if args.resume and not args.run_dir:
+        raise ConfigError("--resume needs --run-dir")
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume and --overwrite contradict each other")
+    explicit = _explicit_config(args)
+    if not args.resume:
+        config_lib.validate(_fresh_config(explicit))  # flag faults first: before any file is touched
+    multi = args.coordinator or args.num_processes or args.auto_distributed
+    if multi and not args.run_dir:
+        raise ConfigError("--run-dir is required with several processes (all of them write checkpoints there)")
+    if args.resume and not Path(args.run_dir).is_dir():
+        raise ConfigError(f"{args.run_dir}: no such run directory to resume")
+
     from fashionjax import distributed
+
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.auto_distributed,
+                           timeout=args.coordinator_timeout)
+    writer = distributed.process_index() == 0
+    owned = None
+    if writer:  # one training per directory: refused at once, before any data is loaded
+        owned = rundir.RunDir.claim(args.run_dir) if args.run_dir else \
+            rundir.RunDir.new_default(explicit.get("model", "mlp"))
+    run_dir = owned.path if owned else Path(args.run_dir)
+    try:
+        return _train_owned(args, out, stops, explicit, owned, run_dir)
+    finally:
+        if owned is not None:
+            owned.release()
+
+
+def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, run_dir: Path) -> int:
+    from fashionjax import config as config_lib
+    from fashionjax import console, distributed
+    from fashionjax import plan as plan_lib
     from fashionjax import run as run_lib
     from fashionjax import train as train_lib
 
-    _train_config(args, None)  # flag faults first: before loading data or touching any file
-    if args.resume and not args.run_dir:
-        raise ConfigError("--resume needs --run-dir")
-    distributed.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.auto_distributed)
-    _enable_compile_cache()
-    dataset = _load_data(args, out)
-    config = _train_config(args, len(dataset.train.labels))
-    mesh = distributed.make_mesh(args.devices)
-    distributed.check_batch(config.batch_size, mesh)
-    run_dir = Path(args.run_dir) if args.run_dir else run_lib.default_run_dir(config.model)
-    if run_lib.is_writer():
-        artifacts.prepare_run_dir(run_dir, overwrite=args.overwrite, resume=args.resume)
-    progress = console.Progress(out, config, len(dataset.train.labels))
-    with SignalCatcher() as catcher, progress:
-        hooks = train_lib.Hooks(on_log=progress.update, stop_signal=lambda: catcher.signum, on_note=out.note)
-        try:
-            summary = run_lib.train_and_evaluate(config, dataset, run_dir, mesh, resume=args.resume, hooks=hooks)
-        except train_lib.Interrupted as stop:
-            progress.close()
-            out.error(f"fashionjax train: interrupted at step {stop.step}, checkpoint saved; resume with: "
-                             f"fashionjax train --resume --run-dir {run_dir}")
-            return 128 + stop.signum
-    if run_lib.is_writer():
-        _render_report(run_dir, out)
+    checkpoints = run_dir / "checkpoints"
+    saved_plan = None
+    started = False
+    try:
+        if args.resume:
+            config = config_lib.validate(run_lib.resumed_config(checkpoints, explicit, out.note))
+            saved_plan = run_lib.saved_plan(checkpoints)
+        else:
+            config = config_lib.validate(_fresh_config(explicit))
+            if owned is not None:
+                owned.check_new_run(args.overwrite)
+        _enable_compile_cache()
+        dataset = _load_data(args, out)
+        mesh = distributed.make_mesh(args.devices)
+        plan = plan_lib.resolve(config, len(dataset.train.labels), int(mesh.devices.size),
+                                schedule_steps=saved_plan["schedule_steps"] if saved_plan else None)
+        run_lib.check_length(config, plan, saved_plan)
+        if owned is not None and args.overwrite:
+            owned.clear()  # only now: every flag is valid and the data is here
+        hint = resume_command(args, run_dir)
+        progress = console.Progress(out, plan.total_steps)
+        with progress:
+            hooks = train_lib.Hooks(on_log=progress.update, stop_signal=stops.pending, on_note=out.note)
+            started = True
+            with stops.deferred():
+                result = run_lib.train(config, plan, dataset, owned or run_dir, mesh, resume=args.resume,
+                                       hooks=hooks)
+        stops.raise_pending(plan.total_steps)  # a signal during the last chunk: its checkpoint is down
+        summary = run_lib.finish(config, result, dataset, owned or run_dir, mesh)
+    except Interrupted as stop:
+        _report_interrupt(out, stop, started, owned, hint if started else None)
+        raise
+    except BaseException:
+        if owned is not None and not args.resume and not _has_checkpoint(checkpoints):
+            owned.discard_unresumable()
+        raise
+    if owned is not None:
+        _render_report(run_dir, out, owned)
     console.show_summary(out, summary, run_dir)
     out.document(dict(summary, run_dir=str(run_dir)))
     return EXIT_OK
 
 
-def _render_report(run_dir: Path, out: console.Output) -> Path:
+def _has_checkpoint(checkpoints: Path) -> bool:
+    return checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
+
+
+def _report_interrupt(out, stop: Interrupted, started: bool, owned, hint: str | None) -> None:
+    """Say what an interrupt left behind, and how to go on from it."""
+    checkpoints = owned.path / "checkpoints" if owned else None
+    if checkpoints is not None and started and _has_checkpoint(checkpoints):
+        where = f"at step {stop.step}" if stop.step is not None else "after training"
+        out.note(f"interrupted {where}, checkpoint saved; resume with: {hint}")
+        out.facts.update(run_dir=str(owned.path), step=stop.step, resume_command=hint)
+    elif owned is not None:
+        owned.discard_unresumable()  # nothing resumable yet: leave no half-written directory
+
+
+def _render_report(run_dir: Path, out, owned=None, target: Path | None = None) -> Path:
     from fashionjax.report import render
 
-    path = render.render(run_dir)
+    path = render.render(run_dir, target=target or (owned.file("report.html") if owned else None))
     out.note(f"report: {path}")
     return path
 
 
-def cmd_report(args, out: console.Output) -> int:
+def cmd_report(args, out) -> int:
+    from fashionjax import rundir
     from fashionjax.report import render
 
     run_dir = Path(args.run_dir)
@@ -247,14 +340,25 @@ def cmd_report(args, out: console.Output) -> int:
         raise ConfigError(f"{run_dir}: not a run directory (no config.json)")
     if args.bench and not Path(args.bench).is_file():
         raise ConfigError(f"{args.bench}: no such bench.json")
-    path = render.render(run_dir, args.bench)
+    if args.out:
+        path = render.render(run_dir, args.bench, target=Path(args.out))
+    else:
+        pid = rundir.is_live(run_dir)
+        if pid is not None:
+            raise rundir.RunDirBusy(f"{run_dir}: still training (pid {pid}); the report is written only into a "
+                                    "finished run: pass --out FILE to write it elsewhere now")
+        owned = rundir.RunDir.claim(run_dir)  # so that no training starts while the report is written
+        try:
+            path = render.render(run_dir, args.bench, target=owned.file("report.html"))
+        finally:
+            owned.release()
     out.show(f"report: {path}")
     out.document({"report": str(path)})
     return EXIT_OK
 
 
-def cmd_eval(args, out: console.Output) -> int:
-    from fashionjax import distributed
+def cmd_eval(args, out) -> int:
+    from fashionjax import console, distributed
     from fashionjax import run as run_lib
 
     run_dir = Path(args.run_dir)
@@ -262,7 +366,7 @@ def cmd_eval(args, out: console.Output) -> int:
         raise ConfigError(f"{run_dir}: not a run directory (no config.json)")
     _enable_compile_cache()
     dataset = _load_data(args, out)
-    scored = run_lib.rescore(run_dir, dataset, distributed.make_mesh("all"))
+    scored = run_lib.rescore(run_dir, dataset, distributed.make_mesh("all"), out.note)
     report = scored["report"]
     out.show(console.table(f"evaluation of {run_dir}", ["", ""], [
         ("test accuracy", f"{100 * report['accuracy']:.2f}% ({report['correct']:,} of {report['examples']:,})"),
@@ -275,14 +379,18 @@ def cmd_eval(args, out: console.Output) -> int:
 def _csv(text: str | None, cast, flag: str):
     if text is None:
         return None
+    items = [item.strip() for item in text.split(",")]
     try:
-        return tuple(cast(item) for item in text.split(",") if item.strip())
+        values = tuple(cast(item) for item in items)
     except ValueError:
-        raise ConfigError(f"{flag}: expected a comma-separated list, got {text!r}") from None
+        values = ()
+    if not values or any(item == "" for item in items):
+        raise ConfigError(f"{flag}: expected a comma-separated list, got {text!r}")
+    return values
 
 
-def cmd_bench(args, out: console.Output) -> int:
-    from fashionjax import bench, distributed
+def cmd_bench(args, out) -> int:
+    from fashionjax import artifacts, bench, console, distributed
 
     base = bench.quick() if args.quick else bench.BenchConfig()
     overrides = {"model": args.model, "batch_sizes": _csv(args.batch_sizes, int, "--batch-sizes"),
@@ -290,12 +398,12 @@ def cmd_bench(args, out: console.Output) -> int:
     config = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
     if config.compare_batch not in config.batch_sizes:
         config = dataclasses.replace(config, compare_batch=config.batch_sizes[0])
-    bench.validate(config, 60000)  # flag faults before loading anything
-    out_dir = artifacts.ensure_dir(args.out or Path("runs") / f"bench-{artifacts.utc_stamp()}")
+    mesh = distributed.make_mesh(args.devices)
+    bench.validate(config, 60000, int(mesh.devices.size))  # flag faults before anything is written
     _enable_compile_cache()
     dataset = _load_data(args, out)
-    document = bench.run(config, dataset.train.images_u8, dataset.train.labels,
-                         distributed.make_mesh(args.devices), log=out.note)
+    out_dir = artifacts.ensure_dir(args.out or Path("runs") / f"bench-{artifacts.utc_stamp()}")
+    document = bench.run(config, dataset.train.images_u8, dataset.train.labels, mesh, log=out.note)
     document = bench.write(document, out_dir)
     console.show_bench(out, document)
     out.show(f"bench.json and charts: {out_dir}")
@@ -309,6 +417,8 @@ def _enable_compile_cache() -> None:
         return
     import jax
 
+    from fashionjax import data
+
     jax.config.update("jax_compilation_cache_dir", str(data.cache_root() / "xla-cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -317,41 +427,66 @@ def _enable_compile_cache() -> None:
 COMMANDS = {"doctor": cmd_doctor, "data": cmd_data, "train": cmd_train, "eval": cmd_eval,
             "bench": cmd_bench, "report": cmd_report}
 
+# What kind of failure each exception is, for `{"error": {"kind": ...}}`; checked in order.
+ERROR_KINDS = (("ConfigError", "usage"), ("UsageError", "usage"), ("RunDirBusy", "busy"),
+               ("ResumeError", "resume"), ("CheckpointError", "checkpoint"), ("DataError", "data"),
+               ("Diverged", "diverged"), ("ArtifactError", "file"), ("OSError", "io"))
+
+
+def error_kind(err: BaseException) -> str:
+    names = {cls.__name__ for cls in type(err).__mro__}
+    return next((kind for name, kind in ERROR_KINDS if name in names), "runtime")
+
+
+def exit_code(err: BaseException) -> int:
+    """2 for usage and config faults, 128+N for signal N, 1 for everything else."""
+    if isinstance(err, Interrupted):
+        return 128 + err.signum
+    return EXIT_USAGE if error_kind(err) == "usage" else EXIT_FAILURE
+
 
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns the exit code."""
-    argv = sys.argv[1:] if argv is None else argv
+    stops = StopRequests().install()  # first of all: a Ctrl-C from here on ends cleanly
+    try:
+        from fashionjax import console
+
+        argv = sys.argv[1:] if argv is None else argv
+        console.reopen_closed_std_fds()
+        out = console.Output(json_mode="--json" in argv, quiet="--quiet" in argv)
+        stops.note = out.note
+        return _run(argv, out, stops)
+    except Interrupted as stop:  # before the output existed: nothing to say it with
+        return 128 + stop.signum
+    finally:
+        stops.restore()
+
+
+def _run(argv: list[str], out, stops: StopRequests) -> int:
     debug = "--debug" in argv
-    try:
-        args = build_parser().parse_args(argv)
-    except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    out = console.Output(args)
     started = time.perf_counter()
+    command = "fashionjax"
     try:
-        return COMMANDS[args.command](args, out)
-    except KeyboardInterrupt:
-        out.error(f"fashionjax {args.command}: interrupted")
-        return 130
+        args = build_parser(argv).parse_args(argv)
+        command = f"fashionjax {args.command}"
+        handler = COMMANDS[args.command]
+        return handler(args, out, stops) if handler is cmd_train else handler(args, out)
+    except SystemExit as done:  # --help and --version: argparse printed them
+        return int(done.code or 0)
     except Exception as err:
-        if debug:
+        if debug and not isinstance(err, Interrupted | UsageError):
             raise
         lines = str(err).strip().splitlines() or [type(err).__name__]
         more = " (--debug shows the rest)" if len(lines) > 1 else ""
-        out.error(f"fashionjax {args.command}: {lines[0]}{more}")
-        return exit_code(err)
+        message = f"{command}: {lines[0]}{more}"
+        code = exit_code(err)
+        out.error(message)
+        out.document({"error": {"message": message, "exit_code": code, "kind": error_kind(err)}, **out.facts})
+        return code
     finally:
         out.close()
         if debug:
             out.error(f"[{time.perf_counter() - started:.2f}s]")
-
-
-def exit_code(err: Exception) -> int:
-    """2 for usage and config faults, 1 for everything that went wrong at run time."""
-    if isinstance(err, ConfigError | UsageError):
-        return EXIT_USAGE
-    return EXIT_FAILURE
 
 
 if __name__ == "__main__":

@@ -7,43 +7,44 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MODELS = ("mlp", "cnn")  # kept in step with models.REGISTRY by a test
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULES = ("constant", "cosine")
 DTYPES = ("float32", "bfloat16")
+MAX_SEED = 2**32 - 1  # JAX's default PRNG takes 32-bit seeds: larger ones alias smaller ones
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message says which value and why."""
 
 
+def _flag(help_text: str, default=None, **extra):
+    """A config field that is also a `train` flag; the CLI builds its flags from these."""
+    return field(default=default, metadata={"help": help_text, **extra})
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    model: str = "mlp"
-    epochs: int | None = 10  # used when steps is None
-    steps: int | None = None
-    batch_size: int = 512
-    optimizer: str = "adamw"
-    lr: float = 3e-3
-    schedule: str = "cosine"
-    warmup_steps: int = 100  # cosine only
-    weight_decay: float = 1e-4
-    momentum: float = 0.9  # sgd only
-    clip_norm: float | None = None
-    dtype: str = "float32"
-    augment: bool = False  # random flips and 2-pixel shifts of each training batch
-    seed: int = 0
-    log_every: int = 25
-    checkpoint_every: int | None = None  # None: once an epoch
-    keep: int = 3
+    model: str = _flag(f"one of {', '.join(MODELS)}", "mlp", choices=MODELS)
+    epochs: int | None = _flag("passes over the training set", 10, group="length")  # used when steps is None
+    steps: int | None = _flag("optimizer steps (instead of --epochs)", None, group="length")
+    batch_size: int = _flag("global batch size (split over the devices)", 512)
+    optimizer: str = _flag(f"one of {', '.join(OPTIMIZERS)}", "adamw", choices=OPTIMIZERS)
+    lr: float = _flag("peak learning rate", 3e-3)
+    schedule: str = _flag(f"one of {', '.join(SCHEDULES)} (cosine warms up first)", "cosine", choices=SCHEDULES)
+    warmup_steps: int = _flag("warm-up steps of the cosine schedule", 100)
+    weight_decay: float = _flag("decoupled weight decay", 1e-4)
+    momentum: float = _flag("momentum (sgd only)", 0.9)
+    clip_norm: float | None = _flag("clip gradients to this global norm (off when unset)", None)
+    dtype: str = _flag(f"compute dtype: {', '.join(DTYPES)}", "float32", choices=DTYPES)
+    augment: bool = _flag("random horizontal flips and 1-pixel shifts of each training batch", False)
+    seed: int = _flag(f"root of all randomness, 0..{MAX_SEED}", 0)
+    log_every: int = _flag("steps per compiled chunk and log point (capped at the run's length)", 25)
+    checkpoint_every: int | None = _flag("steps between checkpoints (unset: once an epoch)", None)
+    keep: int = _flag("checkpoints to keep", 3)
     eval_batch_size: int = 1000
-
-    def total_steps(self, num_train_examples: int) -> int:
-        if self.steps is not None:
-            return self.steps
-        return self.epochs * (num_train_examples // self.batch_size)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -51,7 +52,7 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(config: TrainConfig, num_train_examples: int | None = None) -> TrainConfig:
+def validate(config: TrainConfig) -> TrainConfig:
     """Return the config unchanged, or raise ConfigError naming the first bad value."""
     _require(config.model in MODELS, f"unknown model {config.model!r} (choose from {', '.join(MODELS)})")
     _require(config.optimizer in OPTIMIZERS,
@@ -64,6 +65,8 @@ def validate(config: TrainConfig, num_train_examples: int | None = None) -> Trai
              f"weight decay must be >= 0, got {config.weight_decay}")
     _require(config.clip_norm is None or (math.isfinite(config.clip_norm) and config.clip_norm > 0),
              f"clip norm must be a positive number, got {config.clip_norm}")
+    _require(0 <= config.seed <= MAX_SEED, f"--seed must be between 0 and {MAX_SEED}, got {config.seed}")
+    _require(config.momentum >= 0 and math.isfinite(config.momentum), f"--momentum must be >= 0, got {config.momentum}")
     _require(config.batch_size >= 1, f"batch size must be at least 1, got {config.batch_size}")
     _require(config.eval_batch_size >= 1, f"eval batch size must be at least 1, got {config.eval_batch_size}")
     _require(config.log_every >= 1, f"--log-every must be at least 1, got {config.log_every}")
@@ -75,17 +78,15 @@ def validate(config: TrainConfig, num_train_examples: int | None = None) -> Trai
         _require(config.steps >= 1, f"--steps must be at least 1, got {config.steps}")
     else:
         _require(config.epochs is not None and config.epochs >= 1, f"--epochs must be at least 1, got {config.epochs}")
-    if num_train_examples is not None:
-        _require(config.batch_size <= num_train_examples,
-                 f"batch size {config.batch_size} is larger than the training set ({num_train_examples} examples)")
     return config
 
 
 def default(model: str = "mlp") -> TrainConfig:
     """The recommended recipe for each model."""
     if model == "cnn":
-        return TrainConfig(model="cnn", epochs=15, batch_size=256, lr=2e-3, weight_decay=5e-4, augment=True)
-    return TrainConfig(model=model)
+        return dataclasses.replace(TrainConfig(), model="cnn", epochs=15, batch_size=256, lr=2e-3,
+                                   weight_decay=5e-4, augment=True)
+    return dataclasses.replace(TrainConfig(), model=model)
 
 
 def codelab() -> TrainConfig:
@@ -93,6 +94,7 @@ def codelab() -> TrainConfig:
     return dataclasses.replace(TrainConfig(), steps=400, epochs=None, schedule="constant")
 
 
-# Fields that define a run's trajectory: resuming with any of them changed is refused.
+# Fields that define a run's trajectory: resuming with any of them changed is refused. The run's
+# length is checked through the plan; cadences (log_every, checkpoint_every, keep) may change.
 TRAJECTORY_FIELDS = ("model", "batch_size", "optimizer", "lr", "schedule", "warmup_steps",
                      "weight_decay", "momentum", "clip_norm", "dtype", "augment", "seed")

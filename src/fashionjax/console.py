@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -9,19 +10,79 @@ from pathlib import Path
 from fashionjax import artifacts
 
 
-class Output:
-    """Human output to stdout (or stderr under --json); the JSON document alone on stdout."""
+def reopen_closed_std_fds() -> None:
+    """Point a closed fd 0, 1 or 2 at /dev/null, so no file opened later can land on it (and
+    receive output meant for a terminal)."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free fd: this one
 
-    def __init__(self, args):
+
+def _write(stream, text: str) -> None:
+    """Write and flush, surviving a closed or broken stream: output is never worth a run."""
+    try:
+        stream.write(text)
+        stream.flush()
+    except BrokenPipeError:
+        _silence(stream)
+    except (OSError, ValueError, AttributeError):  # closed, or None when the fd was closed at start
+        pass
+
+
+def _silence(stream) -> None:
+    """After a broken pipe, send the stream to /dev/null so the interpreter's final flush is quiet."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+class _SafeStream:
+    """A file-like view of sys.stdout/sys.stderr (looked up at each write) that never raises."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def write(self, text: str) -> int:
+        _write(getattr(sys, self.name), text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        try:
+            return getattr(sys, self.name).isatty()
+        except (AttributeError, ValueError, OSError):
+            return False
+
+    def fileno(self) -> int:
+        return getattr(sys, self.name).fileno()
+
+
+class Output:
+    """Human output to stdout (or stderr under --json); the JSON document alone on stdout.
+
+    Every write survives a closed stream or a broken pipe: `fashionjax train | head` must not
+    lose the run it is printing about.
+    """
+
+    def __init__(self, json_mode: bool = False, quiet: bool = False):
         from rich.console import Console
 
-        self.json = getattr(args, "json", False)
-        self.quiet = getattr(args, "quiet", False)
-        stream = sys.stderr if self.json else sys.stdout
+        self.json = json_mode
+        self.quiet = quiet
+        self.facts: dict = {}  # partial facts that a failure's JSON document carries
+        stream = _SafeStream("stderr" if json_mode else "stdout")
         # Off a terminal rich assumes 80 columns; tables of figures need more than that.
-        self.console = Console(stderr=self.json, highlight=False, width=None if stream.isatty() else 160)
-        self.errors = Console(stderr=True, highlight=False)
-        self.json_fd = self._divert_stdout() if self.json else None
+        self.console = Console(file=stream, highlight=False, width=None if stream.isatty() else 160)
+        self.errors = Console(file=_SafeStream("stderr"), highlight=False)
+        self.json_fd = self._divert_stdout() if json_mode else None
+        self._documented = False
 
     @staticmethod
     def _divert_stdout() -> int | None:
@@ -32,7 +93,7 @@ class Output:
                 return None
         except (AttributeError, OSError, ValueError):
             return None  # not a real file (a test's capture): nothing native can reach it anyway
-        sys.stdout.flush()
+        _write(sys.stdout, "")
         saved = os.dup(1)
         os.dup2(2, 1)
         return saved
@@ -40,7 +101,7 @@ class Output:
     def close(self) -> None:
         """Give fd 1 back to the real stdout (main() may be called again in the same process)."""
         if self.json_fd is not None:
-            sys.stdout.flush()
+            _write(sys.stdout, "")
             os.dup2(self.json_fd, 1)
             os.close(self.json_fd)
             self.json_fd = None
@@ -52,21 +113,22 @@ class Output:
     @staticmethod
     def error(message: str) -> None:
         """One plain line on stderr: never wrapped, never styled."""
-        sys.stderr.write(message + "\n")
-        sys.stderr.flush()
+        _write(sys.stderr, message + "\n")
 
     def show(self, renderable) -> None:
         if not self.quiet or not self.json:
             self.console.print(renderable)
 
     def document(self, document) -> None:
-        if not self.json:
+        """The one JSON document of the command (a second call is ignored: there is only one)."""
+        if not self.json or self._documented:
             return
+        self._documented = True
         text = artifacts.to_json(document)
         if self.json_fd is None:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-        else:
+            _write(sys.stdout, text)
+            return
+        with contextlib.suppress(OSError):
             os.write(self.json_fd, text.encode())
 
 
@@ -95,6 +157,7 @@ def show_summary(out: Output, summary: dict, run_dir: Path) -> None:
         ("final train loss", f"{summary['final_train_loss']:.4f}"),
         ("examples/sec (steady)", "n/a (one chunk)" if rate is None else f"{rate:,.0f}"),
         ("compile seconds", f"{summary['compile_seconds']:.2f}"),
+        ("train seconds", f"{summary['train_seconds']:.2f}"),
         ("wall seconds", f"{summary['wall_seconds']:.2f}"),
         ("devices", f"{summary['device_count']} x {summary['device_kind']} ({summary['backend']})"),
         ("params digest", summary["params_digest"][:16]),
@@ -104,13 +167,15 @@ def show_summary(out: Output, summary: dict, run_dir: Path) -> None:
 
 
 class Progress:
-    """A rich progress bar when stdout is a terminal and --quiet is off; silent otherwise."""
+    """Training progress on stderr: a live bar on a terminal, one plain line per log point elsewhere
+    (CI logs, nohup files, notebooks); nothing under --quiet."""
 
-    def __init__(self, out: Output, config, num_examples: int):
-        self.enabled = sys.stdout.isatty() and not out.quiet and not out.json
-        self.total = config.total_steps(num_examples)
+    def __init__(self, out: Output, total_steps: int):
+        self.out = out
+        self.total = total_steps
         self.bar = None
-        if self.enabled:
+        self.lines = not out.quiet and not out.errors.file.isatty()
+        if not out.quiet and not self.lines:
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -123,10 +188,12 @@ class Progress:
         return self
 
     def update(self, record: dict) -> None:
+        text = (f"epoch {record['epoch']:.2f} loss {record['loss']:.4f} accuracy {100 * record['accuracy']:.1f}% "
+                f"{record['examples_per_sec']:,.0f} examples/sec")
         if self.bar:
-            self.bar.update(self.task, completed=record["step"], description=(
-                f"epoch {record['epoch']:.2f} loss {record['loss']:.4f} acc {100 * record['accuracy']:.1f}% "
-                f"{record['examples_per_sec']:,.0f} ex/s"))
+            self.bar.update(self.task, completed=record["step"], description=text)
+        elif self.lines:
+            self.out.error(f"step {record['step']}/{self.total} {text} {record['elapsed_s']:.1f}s")
 
     def close(self) -> None:
         if self.bar:

@@ -35,6 +35,7 @@ CLASS_NAMES = (
 NUM_CLASSES = len(CLASS_NAMES)
 IMAGES_MAGIC = 2051  # IDX: unsigned bytes, 3 dimensions
 LABELS_MAGIC = 2049  # IDX: unsigned bytes, 1 dimension
+IMAGE_SHAPE = (28, 28)
 SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")  # Debian's dataset-fashion-mnist
 
 
@@ -224,25 +225,36 @@ def _save_decoded(dataset: Dataset, directory: Path, spec: DatasetSpec) -> None:
     artifacts.atomic_write_json(directory / "manifest.json", manifest)
 
 
-def _load_decoded(directory: Path, spec: DatasetSpec) -> Dataset | None:
-    """Return the cached arrays when every digest checks out, else None (the cache is only a shortcut)."""
+def _load_decoded(directory: Path, spec: DatasetSpec) -> tuple[Dataset | None, str | None]:
+    """(the cached arrays, None) when every digest and shape checks out, else (None, why not).
+
+    The cache is only a shortcut: whatever is wrong with it (a manifest of another shape, a missing
+    or altered array), the caller rebuilds it from the verified source.
+    """
+    manifest_path = directory / "manifest.json"
+    if not manifest_path.is_file():
+        return None, None
     try:
-        manifest = json.loads((directory / "manifest.json").read_text())
+        manifest = json.loads(manifest_path.read_text())
         if manifest.get("fingerprint") != _fingerprint(spec):
-            return None
+            return None, "made from other files"
         splits = {}
         for split in spec.files:
             arrays = []
             for kind in ("images", "labels"):
                 blob = (directory / f"{split}-{kind}.npy").read_bytes()
                 if hashlib.sha256(blob).hexdigest() != manifest["digests"][f"{split}-{kind}"]:
-                    return None
+                    return None, f"{split}-{kind}.npy does not match its digest"
                 arrays.append(np.load(io.BytesIO(blob), allow_pickle=False))
-            splits[split] = Split(*arrays)
-    except (OSError, ValueError, KeyError):
-        return None
-    source = dict(manifest["source"], decoded_cache=str(directory))
-    return Dataset(splits["train"], splits["test"], source)
+            images, labels = arrays
+            if (images.dtype != np.uint8 or images.ndim != 3 or images.shape[1:] != IMAGE_SHAPE
+                    or labels.ndim != 1 or len(labels) != len(images)):
+                return None, f"{split} arrays have the wrong shape"
+            splits[split] = Split(images, labels.astype(np.int32))
+        source = dict(manifest["source"], decoded_cache=str(directory))
+    except Exception as err:  # any malformed manifest or array: rebuild, never block a command
+        return None, f"unreadable ({type(err).__name__})"
+    return Dataset(splits["train"], splits["test"], source), None
 
 
 # ---------------------------------------------------------------- sources
@@ -299,9 +311,11 @@ def load(
         dataset = load_dir(Path(data_dir), spec)
         dataset.source["kind"] = "explicit"
         return dataset
-    cached = _load_decoded(decoded_dir, spec)
+    cached, fault = _load_decoded(decoded_dir, spec)
     if cached is not None:
         return cached
+    if fault:
+        log(f"decoded cache {decoded_dir} is {fault}: rebuilding it from the verified source")
 
     user_dir = cache_root() / spec.cache_name
     candidates = [("cache", user_dir)]

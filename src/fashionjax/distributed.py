@@ -7,6 +7,9 @@ collectives.
 
 from __future__ import annotations
 
+import socket
+import time
+
 import numpy as np
 
 from fashionjax.config import ConfigError
@@ -17,8 +20,38 @@ DATA_AXIS = "data"
 HEARTBEAT_SECONDS = 20  # a dead peer is noticed within this, instead of JAX's default 100 s
 
 
+class CoordinatorError(RuntimeError):
+    """The coordinator of a multi-process run could not be reached in time."""
+
+
+def parse_address(coordinator: str) -> tuple[str, int]:
+    host, _, port = coordinator.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--coordinator {coordinator!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def wait_for_coordinator(coordinator: str, timeout: float) -> None:
+    """Return once the coordinator accepts TCP connections; CoordinatorError after `timeout` seconds.
+
+    JAX itself would wait its own timeout and then abort the process from C++; this check turns an
+    unreachable address into one line naming it.
+    """
+    host, port = parse_address(coordinator)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(2.0, timeout)):
+                return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise CoordinatorError(f"cannot reach the coordinator at {coordinator} within {timeout:g} s "
+                                       f"({err.strerror or err}); is process 0 running there?") from None
+        time.sleep(0.2)
+
+
 def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None,
-               auto: bool = False) -> None:
+               auto: bool = False, timeout: float = 60.0) -> None:
     """Start jax.distributed when asked, or with auto=True from the cluster environment (SLURM, ...)."""
     import jax
 
@@ -28,12 +61,24 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
         raise ConfigError("--coordinator, --num-processes and --process-id go together")
     if not auto and not 0 <= process_id < num_processes:
         raise ConfigError(f"--process-id {process_id} is outside 0..{num_processes - 1}")
+    if not timeout > 0:
+        raise ConfigError(f"--coordinator-timeout must be positive, got {timeout}")
+    if coordinator is not None:
+        parse_address(coordinator)
+        if process_id:  # process 0 is the coordinator: the others check that it is there
+            wait_for_coordinator(coordinator, timeout)
     # CPU processes need a collectives backend for cross-process all-reduce; GPUs use NCCL anyway.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
-        initialization_timeout=120, heartbeat_timeout_seconds=HEARTBEAT_SECONDS,
+        initialization_timeout=max(1, int(timeout)), heartbeat_timeout_seconds=HEARTBEAT_SECONDS,
     )
+
+
+def process_index() -> int:
+    import jax
+
+    return jax.process_index()
 
 
 def make_mesh(devices: str | int = "all"):
@@ -45,19 +90,13 @@ def make_mesh(devices: str | int = "all"):
     if devices == "all":
         chosen = available
     else:
-        count = int(devices)
+        count = int(devices)  # the CLI has checked it is a positive integer
         if count < 1 or count > len(available):
             raise ConfigError(f"--devices {count}: this machine has {len(available)} device(s)")
         if count != len(available) and jax.process_count() > 1:
             raise ConfigError("--devices must be 'all' when running on several processes")
         chosen = available[:count]
     return Mesh(np.array(chosen), (DATA_AXIS,))
-
-
-def check_batch(batch_size: int, mesh, what: str = "batch size") -> None:
-    size = mesh.devices.size
-    if batch_size % size:
-        raise ConfigError(f"{what} {batch_size} does not divide evenly over {size} devices")
 
 
 def replicated(mesh):

@@ -12,35 +12,28 @@ import jax
 import numpy as np
 
 import fashionjax
-from fashionjax import (
-    artifacts,
-    checkpoint,
-    data,
-    environment,
-    evaluate,
-    models,
-    train,
-)
-from fashionjax.config import TrainConfig
+from fashionjax import artifacts, checkpoint, data, environment, evaluate, models, rundir
+from fashionjax import train as train_lib
+from fashionjax.config import TRAJECTORY_FIELDS, TrainConfig
+from fashionjax.plan import Plan
 from fashionjax.report import plots
+from fashionjax.rundir import RunDir
 
 PREDICTION_SEED = 7  # the codelab's choice of 25 test images
-
-
-def default_run_dir(model: str) -> Path:
-    return Path("runs") / f"{artifacts.utc_stamp()}-{model}"
 
 
 def is_writer() -> bool:
     return jax.process_index() == 0
 
 
-def write_config(run_dir: Path, config: TrainConfig, dataset: data.Dataset, mesh) -> None:
-    """config.json: the resolved config plus what the report needs to describe the run."""
+def write_config(run_dir: RunDir, config: TrainConfig, plan: Plan, dataset: data.Dataset, mesh) -> None:
+    """config.json: the fashionjax marker, the resolved config and plan, and what the report describes."""
     model = models.get(config.model)
     params = jax.eval_shape(model.init, jax.random.key(0))
     document = {
+        "fashionjax": rundir.marker(),
         "config": dataclasses.asdict(config),
+        "plan": plan.to_dict(),
         "environment": environment.describe(with_git=True),
         "mesh_devices": int(mesh.devices.size),
         "dataset": data.summarize(dataset),
@@ -48,51 +41,95 @@ def write_config(run_dir: Path, config: TrainConfig, dataset: data.Dataset, mesh
                   "params": models.count_params(params), "leaves": models.param_table(params),
                   "train_flops_per_example": model.train_flops_per_example},
     }
-    artifacts.atomic_write_json(run_dir / "config.json", document)
+    artifacts.atomic_write_json(run_dir.file("config.json"), document)
 
 
-def train_and_evaluate(config: TrainConfig, dataset: data.Dataset, run_dir: Path, mesh, resume: bool = False,
-                       hooks: train.Hooks | None = None) -> dict:
-    """Fit, evaluate on the whole test set, and write every artifact; returns summary.json."""
-    hooks = hooks or train.Hooks()
-    metrics_path = run_dir / "metrics.jsonl"
-    if resume:
-        meta = checkpoint.check_resume(run_dir / "checkpoints", config)
-        if is_writer():  # log points past the checkpoint will be run (and logged) again
-            artifacts.truncate_jsonl(metrics_path, lambda record: record["step"] <= meta["step"])
-        hooks.on_note(f"resuming from the checkpoint at step {meta['step']}")
-    elif is_writer():
-        plots.samples(dataset.train.images_u8, dataset.train.labels, dataset.class_names, run_dir / "samples.png")
-    if is_writer():
-        write_config(run_dir, config, dataset, mesh)
-    dropped = len(dataset.train.labels) % config.batch_size
-    if dropped:
-        hooks.on_note(f"each epoch drops the last {dropped} training examples (a partial batch)")
-    _, data_key = train.root_keys(config.seed)
-    checkpointer = checkpoint.Checkpointer(run_dir / "checkpoints", config, every=config.checkpoint_every,
-                                           keep=config.keep, data_key=data_key)
+def resumed_config(checkpoint_dir: Path, explicit: dict, note=lambda message: None) -> TrainConfig:
+    """The saved run's config with the explicitly given flags applied on top.
+
+    Trajectory flags that differ are refused (every difference named); the length and the cadences
+    may be given. `explicit` holds only flags the user typed.
+    """
+    meta = checkpoint.latest_meta(checkpoint_dir, note)
+    if meta is None:
+        raise checkpoint.ResumeError(f"{checkpoint_dir}: no finalized checkpoint to resume from")
+    saved = TrainConfig(**meta["config"])
+    differences = [f"{name} {getattr(saved, name)!r} -> {explicit[name]!r}" for name in TRAJECTORY_FIELDS
+                   if name in explicit and explicit[name] != getattr(saved, name)]
+    if differences:
+        raise checkpoint.ResumeError("cannot resume with a different config: " + ", ".join(differences))
+    if "steps" in explicit:
+        explicit = dict(explicit, epochs=None)
+    elif "epochs" in explicit:
+        explicit = dict(explicit, steps=None)
+    return dataclasses.replace(saved, **explicit)
+
+
+def saved_plan(checkpoint_dir: Path) -> dict | None:
+    meta = checkpoint.latest_meta(checkpoint_dir)
+    return None if meta is None else meta.get("plan")
+
+
+def check_length(config: TrainConfig, plan: Plan, saved: dict | None) -> None:
+    """A cosine schedule laid out for N steps is not silently re-stretched: refuse another length."""
+    if saved and config.schedule == "cosine" and plan.total_steps != saved["schedule_steps"]:
+        raise checkpoint.ResumeError(
+            f"the cosine schedule of this run is laid out for {saved['schedule_steps']} steps; running "
+            f"{plan.total_steps} would change its learning rates (only constant-schedule runs can be extended)")
+
+
+def train(config: TrainConfig, plan: Plan, dataset: data.Dataset, run_dir: RunDir, mesh, resume: bool = False,
+          hooks: train_lib.Hooks | None = None) -> train_lib.FitResult:
+    """Fit from scratch or from the newest intact checkpoint, writing config.json and metrics.jsonl."""
+    hooks = hooks or train_lib.Hooks()
+    metrics_path = run_dir.file("metrics.jsonl") if is_writer() else None
+    checkpoints = run_dir.file("checkpoints") if is_writer() else run_dir.path / "checkpoints"
+    checkpointer = checkpoint.Checkpointer(checkpoints, config, keep=config.keep)
     try:
-        result = train.fit(config, dataset.train.images_u8, dataset.train.labels, mesh=mesh,
-                           metrics_path=metrics_path, checkpointer=checkpointer, hooks=hooks)
+        start = None
+        if resume:
+            model = models.get(config.model)
+            template = train_lib.init_state(model, train_lib.make_optimizer(config, plan.schedule_steps), config.seed)
+            step, state, meta = checkpointer.restore_latest(template, hooks.on_note)
+            checkpoint.check_resume(meta, config, plan)
+            if is_writer():  # log points past the checkpoint will be run (and logged) again
+                artifacts.truncate_jsonl(metrics_path, lambda record: record["step"] <= step)
+            done = " (training had finished: evaluating)" if step == plan.total_steps else ""
+            hooks.on_note(f"resuming from the checkpoint at step {step}{done}")
+            start = (state, train_lib.TrainStats.from_dict(meta.get("stats")))
+        elif is_writer():
+            plots.samples(dataset.train.images_u8, dataset.train.labels, dataset.class_names,
+                          run_dir.file("samples.png"))
+        if is_writer():
+            write_config(run_dir, config, plan, dataset, mesh)
+        if plan.dropped_per_epoch:
+            hooks.on_note(f"each epoch drops the last {plan.dropped_per_epoch} training examples (a partial batch)")
+        return train_lib.fit(config, dataset.train.images_u8, dataset.train.labels, mesh=mesh, plan=plan,
+                             metrics_path=metrics_path, checkpointer=checkpointer, hooks=hooks, start=start)
     finally:
         checkpointer.close()
+
+
+def finish(config: TrainConfig, result: train_lib.FitResult, dataset: data.Dataset, run_dir: RunDir, mesh) -> dict:
+    """Evaluate on the whole test set and write every artifact; returns summary.json."""
     scored = evaluate.run(result.state.params, config.model, dataset.test.images_u8, dataset.test.labels,
                           config.dtype, config.eval_batch_size, mesh)
     summary = make_summary(config, result, scored["report"], mesh)
     if is_writer():
         write_eval_artifacts(run_dir, scored, dataset)
-        artifacts.atomic_write_json(run_dir / "summary.json", summary)
-        plots.curve(artifacts.read_jsonl(metrics_path), run_dir / "curve.png")
+        plots.curve(artifacts.read_jsonl(run_dir.path / "metrics.jsonl"), run_dir.file("curve.png"))
+        artifacts.atomic_write_json(run_dir.file("summary.json"), summary)  # last: the run is complete
     return summary
 
 
-def make_summary(config: TrainConfig, result: train.FitResult, report: dict, mesh) -> dict:
+def make_summary(config: TrainConfig, result: train_lib.FitResult, report: dict, mesh) -> dict:
     env = environment.describe()
+    plan, stats = result.plan, result.stats
     return {
         "model": config.model,
         "params": models.count_params(result.state.params),
-        "steps": result.total_steps,
-        "epochs": round(result.total_steps / result.steps_per_epoch, 4),
+        "steps": plan.total_steps,
+        "epochs": round(plan.epochs(plan.total_steps), 4),
         "batch_size": config.batch_size,
         "dtype": config.dtype,
         "optimizer": config.optimizer,
@@ -102,11 +139,12 @@ def make_summary(config: TrainConfig, result: train.FitResult, report: dict, mes
         "test_accuracy": report["accuracy"],
         "test_loss": report["loss"],
         "test_examples": report["examples"],
-        "train_examples_per_sec": result.steady_examples_per_sec,
-        "compile_seconds": result.compile_seconds,
-        "wall_seconds": result.wall_seconds,
-        "final_train_loss": result.final_train_loss,
-        "params_digest": train.params_digest(result.state.params),
+        "train_examples_per_sec": stats.steady_examples_per_sec(),
+        "compile_seconds": stats.compile_seconds,
+        "train_seconds": stats.train_seconds,
+        "wall_seconds": stats.wall_seconds,
+        "final_train_loss": stats.final_train_loss,
+        "params_digest": train_lib.params_digest(result.state.params),
         "backend": env["backend"],
         "device_kind": env["device_kind"],
         "device_count": int(mesh.devices.size),
@@ -116,40 +154,35 @@ def make_summary(config: TrainConfig, result: train.FitResult, report: dict, mes
     }
 
 
-def write_eval_artifacts(run_dir: Path, scored: dict, dataset: data.Dataset) -> None:
+def write_eval_artifacts(run_dir: RunDir, scored: dict, dataset: data.Dataset) -> None:
     """eval.json, confusion.png, predictions.png and mistakes.png."""
     report, predictions, confidence = scored["report"], scored["predictions"], scored["confidence"]
     test = dataset.test
     names = dataset.class_names
-    artifacts.atomic_write_json(run_dir / "eval.json", dict(report, class_names=list(names)))
-    plots.confusion(np.asarray(report["confusion"]), names, run_dir / "confusion.png")
+    artifacts.atomic_write_json(run_dir.file("eval.json"), dict(report, class_names=list(names)))
+    plots.confusion(np.asarray(report["confusion"]), names, run_dir.file("confusion.png"))
     sample = np.random.default_rng(PREDICTION_SEED).choice(len(test.labels), size=25, replace=False)
     plots.image_grid(test.images_u8[sample], test.labels[sample], predictions[sample], names,
-                     run_dir / "predictions.png", "Sample test predictions")
+                     run_dir.file("predictions.png"), "Sample test predictions")
     wrong = np.flatnonzero(predictions != test.labels)
     worst = wrong[np.argsort(-confidence[wrong], kind="stable")][:25]
     plots.image_grid(test.images_u8[worst], test.labels[worst], predictions[worst], names,
-                     run_dir / "mistakes.png", "Most confident mistakes",
+                     run_dir.file("mistakes.png"), "Most confident mistakes",
                      notes=[f"{100 * confidence[i]:.1f}% sure" for i in worst])
 
 
-def rescore(run_dir: Path, dataset: data.Dataset, mesh) -> dict:
-    """Evaluate the final saved parameters of a finished run again on the whole test set."""
-    saved = artifacts.read_json(run_dir / "config.json")["config"]
-    config = TrainConfig(**saved)
+def rescore(run_dir: Path, dataset: data.Dataset, mesh, note=lambda message: None) -> dict:
+    """Evaluate the newest intact checkpoint of a run again on the whole test set, touching nothing.
+
+    Safe on a run that is still training: the checkpoints are opened read-only.
+    """
+    document = artifacts.read_json(run_dir / "config.json")
+    config = TrainConfig(**document["config"])
     model = models.get(config.model)
-    optimizer = train.make_optimizer(config, config.total_steps(len(dataset.train.labels)))
-    template, _ = train.init_state(model, optimizer, config.seed)
-    meta = checkpoint.read_meta(run_dir / "checkpoints")
-    if meta is None:
-        raise checkpoint.CheckpointError(f"{run_dir / 'checkpoints'}: no finalized checkpoint to evaluate")
-    checkpointer = checkpoint.Checkpointer(run_dir / "checkpoints", config, keep=config.keep)
-    try:
-        state = checkpointer.restore(template)
-    finally:
-        checkpointer.close()
+    template = train_lib.init_state(model, train_lib.make_optimizer(config, 1), config.seed)
+    step, state, _ = checkpoint.read_latest(run_dir / "checkpoints", template, note)
     scored = evaluate.run(state.params, config.model, dataset.test.images_u8,
                           dataset.test.labels, config.dtype, config.eval_batch_size, mesh)
-    scored["report"]["step"] = meta["step"]
-    scored["report"]["params_digest"] = train.params_digest(state.params)
+    scored["report"]["step"] = step
+    scored["report"]["params_digest"] = train_lib.params_digest(state.params)
     return scored

@@ -20,7 +20,10 @@ import numpy as np
 import optax
 
 from fashionjax import artifacts, distributed, models
+from fashionjax import plan as plan_lib
 from fashionjax.config import TrainConfig
+from fashionjax.plan import Plan, root_keys
+from fashionjax.signals import Interrupted
 
 
 class TrainState(NamedTuple):
@@ -37,25 +40,16 @@ class Diverged(RuntimeError):
         self.step = step
 
 
-class Interrupted(Exception):
-    """A signal asked the run to stop; the state was checkpointed first."""
-
-    def __init__(self, signum: int, step: int):
-        super().__init__(f"interrupted by signal {signum} at step {step}")
-        self.signum = signum
-        self.step = step
-
-
 def compute_dtype(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
-def make_optimizer(config: TrainConfig, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(config: TrainConfig, schedule_steps: int) -> optax.GradientTransformation:
     """The optax chain for a config; the schedule's position lives in the optimizer state."""
     if config.schedule == "cosine":
-        warmup = min(config.warmup_steps, max(total_steps - 1, 0))
+        warmup = min(config.warmup_steps, max(schedule_steps - 1, 0))
         learning_rate = optax.warmup_cosine_decay_schedule(
-            0.0, config.lr, warmup_steps=warmup, decay_steps=max(total_steps, warmup + 1), end_value=0.0)
+            0.0, config.lr, warmup_steps=warmup, decay_steps=max(schedule_steps, warmup + 1), end_value=0.0)
     else:
         learning_rate = config.lr
     if config.optimizer == "adamw":
@@ -96,27 +90,10 @@ def make_train_step(model: models.Model, optimizer: optax.GradientTransformation
     return train_step
 
 
-def root_keys(seed: int) -> tuple[jax.Array, jax.Array]:
-    """(init_key, data_key): the root key from --seed, split by purpose."""
-    init_key, data_key = jax.random.split(jax.random.key(seed))
-    return init_key, data_key
-
-
-def init_state(model: models.Model, optimizer, seed: int) -> tuple[TrainState, jax.Array]:
-    """Fresh state and the data-order key."""
-    init_key, data_key = root_keys(seed)
-    params = model.init(init_key)
-    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params)), data_key
-
-
-def augment_key_data(seed: int) -> np.ndarray:
-    """The augmentation stream's key: the root key folded with its own purpose index."""
-    return np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 1)))
-
-
-def perms_per_chunk(chunk_steps: int, steps_per_epoch: int) -> int:
-    """How many epoch orders a chunk of this length can touch."""
-    return chunk_steps // steps_per_epoch + 2
+def init_state(model: models.Model, optimizer, seed: int) -> TrainState:
+    """The fresh state of a run: parameters from the seed's init stream, step 0."""
+    params = model.init(root_keys(seed)["init"])
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
 
 def epoch_permutations(data_key_data, first_epoch, count: int, num_examples: int):
@@ -164,14 +141,14 @@ def augment_batch(key, images_u8, max_shift: int = 1):
     return crop(padded, offsets).reshape(batch, -1)
 
 
-def make_chunk(train_step: Callable, num_steps: int, steps_per_epoch: int, batch_size: int, mesh,
-               augment_key_data: np.ndarray | None = None):
+def make_chunk(train_step: Callable, num_steps: int, plan: Plan, mesh, augment_key_data: np.ndarray | None = None):
     """run_chunk(state, perms, first_epoch, images_u8, labels) -> (state, metrics of every step).
 
     With augment_key_data, each batch is augmented with a key folded from the step, so the
     augmentation too is a pure function of the seed and the step.
     """
     batch_sharding = distributed.batch_sharded(mesh)
+    steps_per_epoch, batch_size = plan.steps_per_epoch, plan.batch_size
 
     def run_chunk(state: TrainState, perms, first_epoch, images_u8, labels):
         def body(state, _):
@@ -191,10 +168,10 @@ def make_chunk(train_step: Callable, num_steps: int, steps_per_epoch: int, batch
     return run_chunk
 
 
-def compile_chunk(train_step: Callable, num_steps: int, steps_per_epoch: int, batch_size: int, mesh, args,
+def compile_chunk(train_step: Callable, num_steps: int, plan: Plan, mesh, args,
                   augment_key_data: np.ndarray | None = None):
     """Compile a chunk ahead of time for these arguments; the state buffers are donated."""
-    chunk = make_chunk(train_step, num_steps, steps_per_epoch, batch_size, mesh, augment_key_data)
+    chunk = make_chunk(train_step, num_steps, plan, mesh, augment_key_data)
     replicated = distributed.replicated(mesh)
     return jax.jit(chunk, in_shardings=replicated, out_shardings=replicated, donate_argnums=0).lower(
         *args).compile()
@@ -210,35 +187,46 @@ class Hooks:
 
 
 @dataclasses.dataclass
+class TrainStats:
+    """A run's training figures, summed over every process lifetime that trained it.
+
+    Saved in each checkpoint, so that a resumed run (even one whose training had finished before
+    it was killed) reports the figures of all its training, never nulls or zeros.
+    """
+
+    compile_seconds: float = 0.0
+    train_seconds: float = 0.0  # inside training chunks: compile and evaluation excluded
+    steady_examples: int = 0  # every chunk but the first of each process lifetime (its warm-up)
+    steady_seconds: float = 0.0
+    wall_seconds: float = 0.0  # fit() from start to end, compile and checkpoints included
+    final_train_loss: float | None = None
+    chunks: int = 0  # chunks run in this process lifetime; not carried over
+
+    def add_chunk(self, examples: int, seconds: float, last_loss: float) -> None:
+        self.chunks += 1
+        self.train_seconds += seconds
+        self.final_train_loss = last_loss
+        if self.chunks > 1:
+            self.steady_examples += examples
+            self.steady_seconds += seconds
+
+    def steady_examples_per_sec(self) -> float | None:
+        return self.steady_examples / self.steady_seconds if self.steady_seconds > 0 else None
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "chunks"}
+
+    @classmethod
+    def from_dict(cls, saved: dict | None) -> TrainStats:
+        known = {f.name for f in dataclasses.fields(cls)} - {"chunks"}
+        return cls(**{k: v for k, v in (saved or {}).items() if k in known})
+
+
+@dataclasses.dataclass
 class FitResult:
     state: TrainState
-    total_steps: int
-    steps_per_epoch: int
-    compile_seconds: float
-    train_seconds: float
-    steady_examples_per_sec: float | None
-    final_train_loss: float | None
-    wall_seconds: float
-
-
-class _Clock:
-    """Steady-state throughput: every chunk but the first one this process ran (warm-up)."""
-
-    def __init__(self):
-        self.chunks = 0
-        self.examples = 0
-        self.seconds = 0.0
-        self.total_seconds = 0.0
-
-    def add(self, examples: int, seconds: float) -> None:
-        self.chunks += 1
-        self.total_seconds += seconds
-        if self.chunks > 1:
-            self.examples += examples
-            self.seconds += seconds
-
-    def rate(self) -> float | None:
-        return self.examples / self.seconds if self.seconds > 0 else None
+    plan: Plan
+    stats: TrainStats
 
 
 def fit(
@@ -246,86 +234,80 @@ def fit(
     train_images_u8: np.ndarray,
     train_labels: np.ndarray,
     mesh=None,
+    plan: Plan | None = None,
     metrics_path: Path | None = None,
     checkpointer=None,
     hooks: Hooks | None = None,
+    start: tuple[TrainState, TrainStats] | None = None,
 ) -> FitResult:
-    """Train from scratch or from the checkpointer's latest checkpoint; see the module docstring."""
+    """Train from scratch, or from `start` (a restored state and its figures), to plan.total_steps.
+
+    A pending stop signal is honoured at the next chunk end: checkpoint, then Interrupted.
+    """
     started = time.perf_counter()
     hooks = hooks or Hooks()
     mesh = mesh if mesh is not None else distributed.make_mesh("all")
-    distributed.check_batch(config.batch_size, mesh)
+    plan = plan or plan_lib.resolve(config, int(train_images_u8.shape[0]), int(mesh.devices.size))
     model = models.get(config.model)
-    num_examples = int(train_images_u8.shape[0])
-    steps_per_epoch = num_examples // config.batch_size
-    total_steps = config.total_steps(num_examples)
-    optimizer = make_optimizer(config, total_steps)
+    optimizer = make_optimizer(config, plan.schedule_steps)
     train_step = make_train_step(model, optimizer, compute_dtype(config.dtype))
+    state, stats = start if start is not None else (init_state(model, optimizer, config.seed), TrainStats())
+    stats = dataclasses.replace(stats, chunks=0)
+    wall_before = stats.wall_seconds
 
-    state, data_key = init_state(model, optimizer, config.seed)
-    if checkpointer is not None and checkpointer.latest_step() is not None:
-        state = checkpointer.restore(state)
     state = distributed.replicate_tree(state, mesh)
-    key_data = distributed.put_replicated(np.asarray(jax.random.key_data(data_key)), mesh)
-    images_u8 = distributed.put_replicated(train_images_u8.reshape(num_examples, -1), mesh)  # (N, 784) uint8
+    key_data = distributed.put_replicated(plan.key_data("data"), mesh)
+    images_u8 = distributed.put_replicated(train_images_u8.reshape(plan.num_examples, -1), mesh)  # (N, 784) uint8
     labels = distributed.put_replicated(train_labels.astype(np.int32), mesh)
 
     step = int(distributed.fetch(state.step))  # deliberate sync: once, before the loop
     compiled: dict[int, Any] = {}
-    compile_seconds = 0.0
-    perm_count = perms_per_chunk(config.log_every, steps_per_epoch)
     perms, epoch_index, perms_epoch = None, None, None
-    augment_key = augment_key_data(config.seed) if config.augment else None
-    clock = _Clock()
-    last_loss = None
-    while step < total_steps:
-        end = min((step // config.log_every + 1) * config.log_every, total_steps)
+    augment_key = plan.key_data("augment") if config.augment else None
+    while step < plan.total_steps:
+        end = min((step // plan.log_every + 1) * plan.log_every, plan.total_steps)
         num_steps = end - step
-        first_epoch = step // steps_per_epoch
+        first_epoch = step // plan.steps_per_epoch
         with jax.transfer_guard("disallow"):  # the hot path: any implicit host<->device copy is a bug
             if perms_epoch != first_epoch:  # once an epoch, not once a chunk
-                epoch_index, perms = place_orders(key_data, first_epoch, perm_count, num_examples, mesh)
+                epoch_index, perms = place_orders(key_data, first_epoch, plan.perms_per_chunk, plan.num_examples,
+                                                  mesh)
                 perms_epoch = first_epoch
             args = (state, perms, epoch_index, images_u8, labels)
             if num_steps not in compiled:
                 tic = time.perf_counter()
-                compiled[num_steps] = compile_chunk(train_step, num_steps, steps_per_epoch, config.batch_size,
-                                                    mesh, args, augment_key)
-                compile_seconds += time.perf_counter() - tic
+                compiled[num_steps] = compile_chunk(train_step, num_steps, plan, mesh, args, augment_key)
+                stats.compile_seconds += time.perf_counter() - tic
             tic = time.perf_counter()
             state, chunk_metrics = compiled[num_steps](*args)
             jax.block_until_ready((state, chunk_metrics))  # fence: the clock stops when the work is done
             seconds = time.perf_counter() - tic
             host_metrics = distributed.fetch(chunk_metrics)  # deliberate sync: the log point
-        clock.add(num_steps * config.batch_size, seconds)
+        stats.wall_seconds = wall_before + time.perf_counter() - started
         record = {
             "step": end,
-            "epoch": round(end / steps_per_epoch, 4),
+            "epoch": round(plan.epochs(end), 4),
             "loss": float(host_metrics["loss"].mean()),
             "accuracy": float(host_metrics["accuracy"].mean()),
             "grad_norm": float(host_metrics["grad_norm"].mean()),
-            "examples_per_sec": num_steps * config.batch_size / seconds,
-            "elapsed_s": time.perf_counter() - started,
+            "examples_per_sec": num_steps * plan.batch_size / seconds,
+            "elapsed_s": stats.wall_seconds,
         }
         if metrics_path is not None and jax.process_index() == 0:
             artifacts.append_jsonl(metrics_path, [record])  # kept even when this chunk diverged
         _check_finite(host_metrics, step)
         step = end
-        last_loss = float(host_metrics["loss"][-1])
+        stats.add_chunk(num_steps * plan.batch_size, seconds, float(host_metrics["loss"][-1]))
         hooks.on_log(record)
         signum = hooks.stop_signal()
-        if checkpointer is not None and (signum is not None or end == total_steps
-                                         or checkpointer.due(step, num_steps, steps_per_epoch)):
-            checkpointer.save(step, state)
-        if signum is not None and step < total_steps:
+        crossed = step // plan.checkpoint_every > (step - num_steps) // plan.checkpoint_every
+        if checkpointer is not None and (signum is not None or step == plan.total_steps or crossed):
+            checkpointer.save(step, state, plan, stats.to_dict())
+        if signum is not None and step < plan.total_steps:
             raise Interrupted(signum, step)
 
-    return FitResult(
-        state=state, total_steps=total_steps, steps_per_epoch=steps_per_epoch,
-        compile_seconds=compile_seconds, train_seconds=clock.total_seconds,
-        steady_examples_per_sec=clock.rate(), final_train_loss=last_loss,
-        wall_seconds=time.perf_counter() - started,
-    )
+    stats.wall_seconds = wall_before + time.perf_counter() - started
+    return FitResult(state=state, plan=plan, stats=stats)
 
 
 def _check_finite(host_metrics: dict, first_step: int) -> None:

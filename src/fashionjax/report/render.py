@@ -31,17 +31,46 @@ def _optional_json(path: Path):
     return artifacts.read_json(path) if path.is_file() else None
 
 
+class ReportError(RuntimeError):
+    """An input of the report is not acceptable; the message names the file."""
+
+
+def _chart_path(bench_path: Path, name) -> Path:
+    """A chart named by bench.json: a PNG inside bench.json's own folder, nothing else on the machine."""
+    folder = bench_path.parent.resolve()
+    if not isinstance(name, str) or not name.endswith(".png"):
+        raise ReportError(f"{bench_path}: chart {name!r} is not a .png file name")
+    chart = (folder / name).resolve()
+    if chart.parent != folder:
+        raise ReportError(f"{bench_path}: chart {name!r} is outside the folder of bench.json; refusing to include it")
+    return chart
+
+
 def load_bench(run_dir: Path, bench: str | Path | None) -> tuple[dict | None, dict]:
     """bench.json (given, or in the run directory) and its charts as data URIs."""
     path = Path(bench) if bench else run_dir / "bench.json"
     document = _optional_json(path)
     charts = {}
-    if document is not None:
-        for name in document.get("charts", []):
-            uri = _data_uri(path.parent / name)
-            if uri:
-                charts[name] = uri
+    if document is None:
+        return None, charts
+    names = document.get("charts", []) if isinstance(document, dict) else None
+    if not isinstance(document, dict) or not isinstance(names, list):
+        raise ReportError(f"{path}: not a bench.json written by `fashionjax bench`")
+    for name in names:
+        uri = _data_uri(_chart_path(path, name))
+        if uri:
+            charts[name] = uri
     return document, charts
+
+
+# What an unset setting means, instead of a bare "None".
+UNSET_MEANS = {"epochs": "(set by steps)", "steps": "(set by epochs)", "clip_norm": "off",
+               "checkpoint_every": "once an epoch"}
+
+
+def settings(config: dict) -> list[tuple[str, str]]:
+    """The run's settings as (name, shown value) rows."""
+    return [(name, UNSET_MEANS.get(name, "unset") if value is None else str(value)) for name, value in config.items()]
 
 
 def context(run_dir: str | Path, bench: str | Path | None = None) -> dict:
@@ -61,6 +90,7 @@ def context(run_dir: str | Path, bench: str | Path | None = None) -> dict:
     return {
         "run_dir": run_dir.name,
         "config": config,
+        "settings": settings(config["config"]),
         "summary": summary,
         "evaluation": evaluation,
         "per_class": per_class,
@@ -91,12 +121,15 @@ def _num(value, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
 
-def render(run_dir: str | Path, bench: str | Path | None = None) -> Path:
-    """Write RUN_DIR/report.html atomically and return its path."""
+def render(run_dir: str | Path, bench: str | Path | None = None, target: Path | None = None) -> Path:
+    """Write the report (default RUN_DIR/report.html) atomically and return its path.
+
+    Reads the run's files only: it may run beside a training that is still writing them.
+    """
     environment = _environment()
     environment.filters["pct"] = _pct
     environment.filters["num"] = _num
     html = environment.get_template("report.html.j2").render(**context(run_dir, bench))
-    target = Path(run_dir) / "report.html"
+    target = Path(target) if target else Path(run_dir) / "report.html"
     artifacts.atomic_write_text(target, html)
     return target

@@ -1,0 +1,217 @@
+"""A run directory belongs to one run: an ownership lock, a marker, and a manifest of what it wrote.
+
+- The lock (`fcntl.flock` on `.fashionjax.lock`, holding the owner's PID) is held by `train` for its
+  whole life; the kernel drops it when the process dies, even by SIGKILL.
+- config.json carries a marker (`"fashionjax": {"kind": "run", ...}`) that says "fashionjax made this".
+- The manifest (`.fashionjax-manifest.json`) lists every file and folder the run wrote; --overwrite
+  removes exactly those, and refuses a directory that holds anything else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import errno
+import fcntl
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from fashionjax import artifacts
+from fashionjax.config import ConfigError
+
+LOCK = ".fashionjax.lock"
+MANIFEST = ".fashionjax-manifest.json"
+MARKER = {"kind": "run", "format": 1}
+OWN_FILES = (LOCK, MANIFEST)
+
+
+class RunDirError(RuntimeError):
+    """The run directory cannot be used as asked (exit 1)."""
+
+
+class RunDirBusy(RunDirError):
+    """Another process holds the run directory's lock."""
+
+
+def _listing(names) -> str:
+    names = sorted(names)
+    shown = ", ".join(names[:5])
+    return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+
+
+def holder_pid(lock_path: Path) -> str:
+    try:
+        return lock_path.read_text().strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def _try_lock(lock_path: Path, create: bool) -> int | None:
+    """An fd holding an exclusive flock on lock_path, or None when another process holds it."""
+    flags = os.O_RDWR | (os.O_CREAT if create else 0)
+    fd = os.open(lock_path, flags, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        os.close(fd)
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None
+        raise
+    return fd
+
+
+def is_live(run_dir: str | Path) -> str | None:
+    """The PID of the training that holds run_dir, or None when nobody does (takes no lock)."""
+    lock_path = Path(run_dir) / LOCK
+    if not lock_path.is_file():
+        return None
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return holder_pid(lock_path)
+    finally:
+        os.close(fd)
+    return None
+
+
+def is_run(run_dir: Path) -> bool:
+    """Whether config.json says fashionjax made this directory."""
+    try:
+        document = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(document, dict) and document.get("fashionjax", {}).get("kind") == MARKER["kind"]
+
+
+def read_manifest(run_dir: Path) -> list[str]:
+    try:
+        names = json.loads((run_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return []
+    return [n for n in names if isinstance(n, str) and n and "/" not in n and n not in (".", "..")] \
+        if isinstance(names, list) else []
+
+
+class RunDir:
+    """A run directory owned by this process: created if needed, locked, and its writes recorded."""
+
+    def __init__(self, path: Path, fd: int | None = None, created: bool = False):
+        """Use claim() or new_default(); RunDir(path) alone is a view for processes that never write."""
+        self.path = path
+        self.created = created
+        self._fd = fd
+        self._written = read_manifest(path) if fd is not None else []
+        self._this_command: list[str] = []
+
+    @classmethod
+    def claim(cls, path: str | Path) -> RunDir:
+        """Create the directory when missing and take its lock, or raise RunDirBusy at once."""
+        path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise RunDirError(f"{path}: exists and is not a directory")
+        created = not path.exists()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            fd = _try_lock(path / LOCK, create=True)
+        except OSError as err:
+            raise RunDirError(f"{path}: output directory is not writable ({err.strerror})") from err
+        if fd is None:
+            raise RunDirBusy(f"{path}: in use by another training (pid {holder_pid(path / LOCK)}); "
+                             "wait for it to finish or choose another --run-dir")
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        return cls(path, fd, created)
+
+    @classmethod
+    def new_default(cls, model: str, root: str | Path = "runs") -> RunDir:
+        """A fresh, unique directory runs/<UTC time to the microsecond>-<model>-<random suffix>."""
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        while True:
+            stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+            path = root / f"{stamp}-{model}-{secrets.token_hex(3)}"
+            try:
+                path.mkdir()  # atomic: two trainings can never get the same directory
+            except FileExistsError:
+                continue
+            run_dir = cls.claim(path)
+            run_dir.created = True
+            return run_dir
+
+    def foreign_entries(self) -> list[str]:
+        return [p.name for p in self.path.iterdir() if p.name not in OWN_FILES]
+
+    def check_new_run(self, overwrite: bool) -> None:
+        """Refuse (ConfigError, before anything is touched) to start a new run where one cannot go."""
+        entries = self.foreign_entries()
+        if not entries:
+            return
+        if not overwrite:
+            raise ConfigError(f"{self.path}: run directory is not empty (use --overwrite to replace the run "
+                              "there, or --resume to continue it)")
+        if not is_run(self.path):
+            raise ConfigError(f"{self.path}: not a fashionjax run directory (it holds {_listing(entries)}); "
+                              "--overwrite only replaces a fashionjax run")
+        others = set(entries) - set(self._written)
+        if others:
+            raise ConfigError(f"{self.path}: holds files fashionjax did not write ({_listing(others)}); "
+                              "--overwrite never deletes them: move them away or choose another --run-dir")
+
+    def clear(self, names: list[str] | None = None) -> None:
+        """Remove what the run wrote (default: everything in the manifest; check_new_run has made
+        sure that is all there is) and forget it in the manifest."""
+        names = list(self._written if names is None else names)
+        for name in names:
+            entry = self.path / name
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            elif entry.exists() or entry.is_symlink():
+                entry.unlink()
+        self._written = [n for n in self._written if n not in names]
+        if self._written:
+            artifacts.atomic_write_json(self.path / MANIFEST, self._written)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                (self.path / MANIFEST).unlink()
+
+    def file(self, name: str) -> Path:
+        """The path of a run file, recorded in the manifest before anything is written to it."""
+        if self._fd is not None and name not in self._written:
+            self._written.append(name)
+            artifacts.atomic_write_json(self.path / MANIFEST, self._written)
+        if name not in self._this_command:
+            self._this_command.append(name)
+        return self.path / name
+
+    def discard_unresumable(self) -> None:
+        """After a failed or interrupted start: leave no half-written directory behind.
+
+        Removes what this command wrote when no checkpoint exists yet (nothing there could be
+        resumed), and the directory itself when this command created it and nothing else is in it.
+        """
+        checkpoints = self.path / "checkpoints"
+        if checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir()):
+            return
+        self.clear(self._this_command)
+        if self.created and not self.foreign_entries():
+            with contextlib.suppress(OSError):
+                (self.path / LOCK).unlink()
+                self.path.rmdir()
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the fd drops the flock
+            self._fd = None
+
+
+def marker() -> dict:
+    import fashionjax
+
+    return dict(MARKER, version=fashionjax.__version__)

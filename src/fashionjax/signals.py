@@ -1,0 +1,77 @@
+"""SIGINT and SIGTERM: stop at once while nothing is at stake, at a safe point while training.
+
+Imports nothing heavy, so the CLI can install the handlers before it imports JAX: a Ctrl-C during
+start-up then ends the command cleanly (exit 130/143), never with a traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Callable
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(Exception):
+    """A signal stopped the command; `step` is the checkpointed step when training had begun."""
+
+    def __init__(self, signum: int, step: int | None = None):
+        where = "" if step is None else f" at step {step}"
+        super().__init__(f"interrupted by {signal.Signals(signum).name}{where}")
+        self.signum = signum
+        self.step = step
+
+
+class StopRequests:
+    """Handlers for SIGINT/SIGTERM, installed for the life of a command.
+
+    Immediate mode (the default) raises Interrupted from the handler. Inside `deferred()` (training
+    chunks and checkpoint writes) the first signal only records a request, which the trainer honours
+    at the next chunk end after checkpointing. Any later signal is reported and ignored: a second
+    Ctrl-C never tears a checkpoint write in half.
+    """
+
+    def __init__(self, note: Callable[[str], None] = lambda message: None):
+        self.signum: int | None = None
+        self.note = note
+        self._deferred = 0
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> StopRequests:
+        for signum in STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            self.note("already stopping: finishing the checkpoint first (kill -9 would lose the work since the last one)")
+            return
+        self.signum = signum
+        if self._deferred:
+            self.note(f"{signal.Signals(signum).name}: stopping after the current chunk and a checkpoint")
+        else:
+            raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Signals inside this block only request a stop; see `pending`."""
+        self._deferred += 1
+        try:
+            yield self
+        finally:
+            self._deferred -= 1
+
+    def pending(self) -> int | None:
+        """The signal that asked for a stop, if any (the trainer polls this at chunk ends)."""
+        return self.signum
+
+    def raise_pending(self, step: int | None = None) -> None:
+        """Leave now if a deferred signal arrived (called where stopping is safe again)."""
+        if self.signum is not None:
+            raise Interrupted(self.signum, step)
