@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,14 +24,6 @@ def one_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     assert len(lines) == 1, text
     return lines[0]
-
-
-@pytest.mark.parametrize("command", ["doctor", "data", "train", "eval"])
-def test_help_has_a_line_per_flag(command):
-    parser = cli.build_parser()
-    sub = parser._subparsers._group_actions[0].choices[command]
-    for action in sub._actions:
-        assert action.help, f"{command} {action.option_strings} has no help"
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -123,7 +116,8 @@ def test_default_run_dir_is_timestamped(tmp_path, synthetic_cli, monkeypatch, ca
     monkeypatch.chdir(tmp_path)
     assert cli.main(["train", "--steps", "4", "--batch-size", "64", "--log-every", "4", "--quiet"]) == 0
     (run_dir,) = list((tmp_path / "runs").iterdir())
-    assert run_dir.name.endswith("Z-mlp") and (run_dir / "summary.json").exists()
+    assert re.fullmatch(r"\d{8}T\d{6}\.\d{6}Z-mlp-[0-9a-f]{6}", run_dir.name), run_dir.name
+    assert (run_dir / "summary.json").exists()
 
 
 def test_real_data_short_run_learns(tmp_path, real_dataset):

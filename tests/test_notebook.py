@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -32,4 +31,4 @@ def test_notebook_executes(real_dataset, monkeypatch, tmp_path):
     assert "grad vs value_and_grad difference: 0.000000" in text
     images = sum("image/png" in output.get("data", {}) for cell in notebook.cells for output in cell.get("outputs", []))
     assert images == 4
-    assert os.environ["FASHIONJAX_NOTEBOOK_STEPS"] == "20"
+    assert "20 steps," in text  # the training cell ran the length the environment asked for

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from fashionjax import config, evaluate, models, train
+from fashionjax import config, evaluate, models, plan, train
 
 TINY = config.TrainConfig(steps=12, batch_size=64, log_every=4, warmup_steps=2)
 
@@ -19,7 +19,7 @@ def test_chunk_traces_once_over_many_steps(small_dataset, monkeypatch):
     counted = dataclasses.replace(original, apply=lambda *a: (traces.append(1), original.apply(*a))[1])
     monkeypatch.setitem(models.REGISTRY, "mlp", counted)
     result = train.fit(dataclasses.replace(TINY, steps=40), small_dataset.train.images_u8, small_dataset.train.labels)
-    assert result.total_steps == 40
+    assert result.plan.total_steps == 40
     assert len(traces) == 1  # ten chunks of four steps, one trace
 
 
@@ -46,7 +46,7 @@ def test_hot_loop_refuses_implicit_transfers(small_dataset, monkeypatch):
     """The loop runs under transfer_guard('disallow'): an implicit host-to-device copy fails."""
     cfg = dataclasses.replace(TINY, steps=8)
     images, labels = small_dataset.train.images_u8, small_dataset.train.labels
-    assert train.fit(cfg, images, labels).total_steps == 8  # explicit fetches only: fine
+    assert train.fit(cfg, images, labels).plan.total_steps == 8  # explicit fetches only: fine
     monkeypatch.setattr(train.distributed, "put_replicated", lambda x, mesh: jax.numpy.asarray(x))
     with pytest.raises(Exception, match="Disallowed host-to-device transfer"):
         train.fit(cfg, images, labels)
@@ -97,7 +97,9 @@ def test_bad_hyperparameters_are_named(field, value, message):
 
 def test_batch_larger_than_training_set_is_refused():
     with pytest.raises(config.ConfigError, match="larger than the training set"):
-        config.validate(config.TrainConfig(batch_size=1000), num_train_examples=999)
+        plan.resolve(config.TrainConfig(batch_size=1000), num_examples=999)
+    with pytest.raises(config.ConfigError, match="does not divide evenly over 3 devices"):
+        plan.resolve(config.TrainConfig(batch_size=64), num_examples=999, device_count=3)
 
 
 def test_codelab_preset():

@@ -227,7 +227,7 @@ def measure(work: Workload, mode: str, steps: int, repeats: int) -> dict:
 
 def placement(work: Workload) -> list[dict]:
     """Where the codelab's last table looks: params, optimizer state and batches."""
-    state, _, _ = work.fresh()
+    state, _ = work.fresh()
 
     def where(tree):
         found = set()

@@ -80,7 +80,7 @@ def _config_flags(parser: argparse.ArgumentParser, recipe: TrainConfig) -> None:
             target.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
             kind = int if field.type.startswith("int") else float if field.type.startswith("float") else str
-            target.add_argument(flag, type=kind, choices=field.metadata.get("choices"), help=text)
+            target.add_argument(flag, type=kind, help=text)
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -127,7 +127,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _common(eval_cmd)
 
     bench_cmd = sub.add_parser("bench", help="measure training throughput honestly (modes, dtypes, batches, MFU)")
-    bench_cmd.add_argument("--model", choices=MODELS, default="mlp", help="model to measure (default mlp)")
+    bench_cmd.add_argument("--model", default="mlp", help=f"model to measure: {', '.join(MODELS)} (default mlp)")
     bench_cmd.add_argument("--batch-sizes", help="comma-separated global batch sizes (default 128,512,2048,8192)")
     bench_cmd.add_argument("--dtypes", help="comma-separated compute dtypes (default float32,bfloat16)")
     bench_cmd.add_argument("--steps", type=int, help="timed steps per repeat (default 100)")

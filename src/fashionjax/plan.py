@@ -57,9 +57,10 @@ def resolve(config: TrainConfig, num_examples: int, device_count: int = 1,
     Args:
       schedule_steps: keep a schedule laid out earlier (a resumed run); default the run's length.
     """
-    if not 1 <= config.batch_size <= num_examples:
-        raise ConfigError(f"batch size {config.batch_size} must be between 1 and the training set's "
-                          f"{num_examples} examples")
+    if config.batch_size > num_examples:
+        raise ConfigError(f"batch size {config.batch_size} is larger than the training set ({num_examples} examples)")
+    if config.batch_size < 1:
+        raise ConfigError(f"batch size must be at least 1, got {config.batch_size}")
     if config.batch_size % device_count:
         raise ConfigError(f"batch size {config.batch_size} does not divide evenly over {device_count} devices")
     steps_per_epoch = num_examples // config.batch_size

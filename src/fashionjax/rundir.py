@@ -109,6 +109,7 @@ class RunDir:
         self._fd = fd
         self._written = read_manifest(path) if fd is not None else []
         self._this_command: list[str] = []
+        self.lock_created = False
 
     @classmethod
     def claim(cls, path: str | Path) -> RunDir:
@@ -119,6 +120,7 @@ class RunDir:
         created = not path.exists()
         try:
             path.mkdir(parents=True, exist_ok=True)
+            lock_existed = (path / LOCK).exists()
             fd = _try_lock(path / LOCK, create=True)
         except OSError as err:
             raise RunDirError(f"{path}: output directory is not writable ({err.strerror})") from err
@@ -127,7 +129,9 @@ class RunDir:
                              "wait for it to finish or choose another --run-dir")
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
-        return cls(path, fd, created)
+        owned = cls(path, fd, created)
+        owned.lock_created = not lock_existed
+        return owned
 
     @classmethod
     def new_default(cls, model: str, root: str | Path = "runs") -> RunDir:
@@ -206,9 +210,14 @@ class RunDir:
                 self.path.rmdir()
 
     def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the fd drops the flock
-            self._fd = None
+        """Drop the lock; a lock file this command added to a directory it never wrote into goes too."""
+        if self._fd is None:
+            return
+        if self.lock_created and not self._written:
+            with contextlib.suppress(OSError):
+                (self.path / LOCK).unlink()
+        os.close(self._fd)  # closing the fd drops the flock
+        self._fd = None
 
 
 def marker() -> dict:

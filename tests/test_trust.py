@@ -1,0 +1,306 @@
+"""Nothing a user does by accident loses or corrupts a run: ownership, overwrite, errors that answer.
+
+Fast tests: the library in-process on synthetic data, and the real CLI in subprocesses for flag
+faults (those stop before any data is loaded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import write_synthetic_files
+
+from fashionjax import artifacts, cli, config, data, plan, rundir
+from fashionjax.report import render
+
+
+def fashionjax(*args: str, cwd=None, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fashionjax", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+def lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def tiny_run(run_dir: Path, *extra: str) -> int:
+    return cli.main(["train", "--steps", "6", "--batch-size", "64", "--log-every", "3", "--quiet",
+                     "--run-dir", str(run_dir), *extra])
+
+
+# ---------------------------------------------------------------- ownership
+
+
+def test_default_run_dirs_are_unique_when_many_start_at_once(tmp_path):
+    made: list[Path] = []
+    barrier = threading.Barrier(16)
+
+    def start():
+        barrier.wait()
+        owned = rundir.RunDir.new_default("mlp", tmp_path / "runs")
+        made.append(owned.path)
+        owned.release()
+
+    threads = [threading.Thread(target=start) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(made)) == 16 and len(list((tmp_path / "runs").iterdir())) == 16
+
+
+def test_a_locked_run_dir_is_refused_with_the_holders_pid(tmp_path, synthetic_cli, capsys):
+    owner = rundir.RunDir.claim(tmp_path / "run")
+    try:
+        assert rundir.is_live(tmp_path / "run") == str(os.getpid())
+        code = tiny_run(tmp_path / "run", "--json")
+        captured = capsys.readouterr()
+        assert code == 1
+        error = json.loads(captured.out)["error"]
+        assert error["kind"] == "busy" and f"pid {os.getpid()}" in error["message"]
+        assert str(tmp_path / "run") in error["message"]
+        assert [p.name for p in (tmp_path / "run").iterdir()] == [rundir.LOCK]
+    finally:
+        owner.release()
+    assert rundir.is_live(tmp_path / "run") is None
+    assert tiny_run(tmp_path / "run") == 0
+
+
+def test_overwrite_replaces_a_run_and_never_a_users_file(tmp_path, synthetic_cli, capsys):
+    run_dir = tmp_path / "run"
+    assert tiny_run(run_dir) == 0
+    first = artifacts.read_json(run_dir / "summary.json")["params_digest"]
+    written = set(rundir.read_manifest(run_dir))
+    assert {"config.json", "summary.json", "checkpoints", "metrics.jsonl", "report.html"} <= written
+
+    (run_dir / "notes.txt").write_text("mine")
+    assert tiny_run(run_dir, "--overwrite", "--seed", "1") == 2
+    assert "notes.txt" in capsys.readouterr().err
+    assert (run_dir / "notes.txt").read_text() == "mine"
+    assert artifacts.read_json(run_dir / "summary.json")["params_digest"] == first  # untouched
+
+    (run_dir / "notes.txt").unlink()
+    assert tiny_run(run_dir, "--overwrite", "--seed", "1") == 0
+    assert artifacts.read_json(run_dir / "summary.json")["params_digest"] != first
+
+
+def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path, synthetic_cli, capsys):
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    (folder / "holiday.jpg").write_bytes(b"\xff\xd8")
+    assert tiny_run(folder, "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert "not a fashionjax run directory" in err and "holiday.jpg" in err
+    assert sorted(p.name for p in folder.iterdir()) == ["holiday.jpg"]
+
+
+def test_overwrite_with_a_bad_flag_or_missing_data_touches_nothing(tmp_path, synthetic_cli, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    assert tiny_run(run_dir) == 0
+    before = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir() if p.name != rundir.LOCK}
+    assert tiny_run(run_dir, "--overwrite", "--lr", "-1") == 2
+    assert tiny_run(run_dir, "--overwrite", "--batch-size", "100000") == 2  # known only once data is loaded
+
+    def no_data(*args, **kwargs):
+        raise data.DataError("Fashion-MNIST not found offline")
+
+    monkeypatch.setattr(data, "load", no_data)
+    assert tiny_run(run_dir, "--overwrite") == 1
+    after = {p.name: p.stat().st_mtime_ns for p in run_dir.iterdir() if p.name != rundir.LOCK}
+    assert after == before
+
+
+def test_a_failed_start_leaves_no_directory_behind(tmp_path, monkeypatch, capsys):
+    def no_data(*args, **kwargs):
+        raise data.DataError("Fashion-MNIST not found offline")
+
+    monkeypatch.setattr(data, "load", no_data)
+    assert tiny_run(tmp_path / "new") == 1
+    assert not (tmp_path / "new").exists()
+
+
+# ---------------------------------------------------------------- keys and plan
+
+
+@pytest.mark.parametrize("seed", [0, 1, 12345, config.MAX_SEED])
+def test_init_data_and_augmentation_streams_differ(seed):
+    keys = {purpose: tuple(np.asarray(jax.random.key_data(k)).tolist()) for purpose, k in plan.root_keys(seed).items()}
+    assert set(keys) == {"init", "data", "augment"} and len(set(keys.values())) == 3
+    # The old derivation's collision: the augmentation key was fold_in(root, 1) == split(root)[1].
+    folded = tuple(np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 1))).tolist())
+    assert keys["augment"] != keys["data"] and folded not in (keys["augment"],)
+
+
+def test_plan_resolves_geometry_once():
+    resolved = plan.resolve(config.TrainConfig(epochs=3, batch_size=512, log_every=25), num_examples=60000,
+                            device_count=4)
+    assert (resolved.steps_per_epoch, resolved.dropped_per_epoch, resolved.total_steps) == (117, 96, 351)
+    assert resolved.checkpoint_every == 117 and resolved.schedule_steps == 351
+    assert resolved.perms_per_chunk == 2  # a 25-step chunk touches at most two epochs' orders
+    capped = plan.resolve(config.TrainConfig(steps=7, epochs=None, batch_size=100, log_every=10**9), num_examples=1000)
+    assert capped.log_every == 7 and capped.perms_per_chunk == 2
+
+
+def test_absurd_log_every_is_capped_to_the_run(tmp_path, synthetic_cli):
+    assert cli.main(["train", "--steps", "7", "--batch-size", "64", "--log-every", str(10**12), "--quiet",
+                     "--run-dir", str(tmp_path / "run")]) == 0
+    assert [r["step"] for r in artifacts.read_jsonl(tmp_path / "run" / "metrics.jsonl")] == [7]
+
+
+# ---------------------------------------------------------------- errors that answer
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["train", "--devices", "abc"], "--devices"),
+    (["train", "--seed", str(2**32)], "--seed must be between 0 and 4294967295"),
+    (["train", "--seed", "-1"], "--seed must be between"),
+    (["train", "--lr", "fast"], "--lr"),
+    (["train", "--resume", "--overwrite"], "contradict each other"),
+    (["bench", "--batch-sizes", ""], "--batch-sizes"),
+    (["bench", "--batch-sizes", "64,,128"], "--batch-sizes"),
+    (["bench", "--batch-sizes", "a,b"], "--batch-sizes"),
+    (["bench", "--dtypes", ""], "--dtypes"),
+    (["bench", "--dtypes", "float32,int4"], "unknown dtype 'int4'"),
+    (["bench", "--devices", "99"], "--devices 99"),
+    (["bench", "--devices", "0"], "--devices"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_bad_flags_exit_2_with_one_json_document_and_no_files(tmp_path, args, needle):
+    result = fashionjax(*args, "--json", "--out" if args[0] == "bench" else "--run-dir", str(tmp_path / "out"),
+                        cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    (line,) = lines(result.stderr)
+    assert needle in line and "Traceback" not in result.stderr
+    document = json.loads(result.stdout)
+    assert document["error"]["exit_code"] == 2 and document["error"]["kind"] == "usage"
+    assert needle in document["error"]["message"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run dir, no runs/
+
+
+def test_json_errors_name_the_broken_file(tmp_path, synthetic_cli, capsys):
+    run_dir = tmp_path / "run"
+    assert tiny_run(run_dir) == 0
+    (run_dir / "metrics.jsonl").write_text('{"step": 3}\n{"step": 6, "lo\n{"step": 9}\n')
+    capsys.readouterr()
+    assert cli.main(["report", str(run_dir), "--json"]) == 1
+    assert "metrics.jsonl: line 2 is not valid JSON" in json.loads(capsys.readouterr().out)["error"]["message"]
+
+    bench_json = tmp_path / "bench" / "bench.json"
+    bench_json.parent.mkdir()
+    bench_json.write_text("{not json")
+    assert cli.main(["report", str(run_dir), "--bench", str(bench_json)]) == 1
+    assert f"{bench_json}: not valid JSON" in capsys.readouterr().err
+
+    (run_dir / "config.json").write_text('{"config": ')
+    assert cli.main(["eval", str(run_dir)]) == 1
+    assert "config.json: not valid JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("chart", ["../secret.png", "/etc/passwd", "sub/../../x.png", "notes.txt"])
+def test_report_includes_only_charts_beside_bench_json(tmp_path, synthetic_cli, chart, capsys):
+    run_dir = tmp_path / "run"
+    assert tiny_run(run_dir) == 0
+    (tmp_path / "secret.png").write_bytes(b"\x89PNG secret")
+    bench_json = tmp_path / "bench" / "bench.json"
+    bench_json.parent.mkdir()
+    bench_json.write_text(json.dumps({"charts": [chart], "cases": []}))
+    assert cli.main(["report", str(run_dir), "--bench", str(bench_json)]) == 1
+    assert str(bench_json) in capsys.readouterr().err
+    with pytest.raises(render.ReportError):
+        render.load_bench(run_dir, bench_json)
+
+
+@pytest.mark.parametrize("manifest", ["[]", '{"fingerprint": 3}', '{"digests": []}', "not json", '"text"'])
+def test_a_malformed_decoded_cache_is_rebuilt_with_a_note(synthetic_files, manifest):
+    directory, spec = synthetic_files
+    notes: list[str] = []
+    first = data.load(directory, spec=spec)
+    data.load(spec=dataclasses.replace(spec, system_dir=directory))  # fills the decoded cache
+    decoded = data.cache_root() / "decoded" / f"{spec.cache_name}-{data._fingerprint(spec)}"
+    assert (decoded / "manifest.json").is_file()
+    (decoded / "manifest.json").write_text(manifest)
+    again = data.load(spec=dataclasses.replace(spec, system_dir=directory), log=notes.append)
+    np.testing.assert_array_equal(again.train.images_u8, first.train.images_u8)
+    assert len(notes) == 1 and "rebuilding it from the verified source" in notes[0]
+    assert data._load_decoded(decoded, spec)[0] is not None  # and the rebuilt cache is good again
+
+
+def test_a_cached_array_of_the_wrong_shape_is_rebuilt(synthetic_files):
+    directory, spec = synthetic_files
+    spec = dataclasses.replace(spec, system_dir=directory)
+    data.load(spec=spec)
+    decoded = data.cache_root() / "decoded" / f"{spec.cache_name}-{data._fingerprint(spec)}"
+    manifest = json.loads((decoded / "manifest.json").read_text())
+    images = np.zeros((64, 14, 56), np.uint8)  # the right bytes count, the wrong shape, a matching digest
+    buffer = io.BytesIO()
+    np.save(buffer, images)
+    (decoded / "train-images.npy").write_bytes(buffer.getvalue())
+    manifest["digests"]["train-images"] = hashlib.sha256(buffer.getvalue()).hexdigest()
+    (decoded / "manifest.json").write_text(json.dumps(manifest))
+    notes: list[str] = []
+    assert data.load(spec=spec, log=notes.append).train.images_u8.shape == (64, 28, 28)
+    assert "wrong shape" in notes[0]
+
+
+# ---------------------------------------------------------------- help and progress
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_help_has_a_line_per_flag(command):
+    parser = cli.build_parser()
+    sub = parser._subparsers._group_actions[0].choices[command]
+    for action in sub._actions:
+        assert action.help, f"{command} {action.option_strings} has no help"
+
+
+@pytest.mark.parametrize("model,lr", [("mlp", "0.003"), ("cnn", "0.002")])
+def test_train_help_shows_the_chosen_models_recipe(model, lr, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")
+    assert cli.main(["train", "--model", model, "--help"]) == 0
+    text = capsys.readouterr().out
+    assert f"peak learning rate (default: {lr})" in text
+    assert f"Defaults shown are the {model} recipe's" in " ".join(text.split())
+
+
+def test_progress_is_one_plain_line_per_log_point_off_a_terminal(tmp_path, synthetic_cli, capsys):
+    assert cli.main(["train", "--steps", "9", "--batch-size", "64", "--log-every", "3",
+                     "--run-dir", str(tmp_path / "a")]) == 0
+    err = capsys.readouterr().err
+    progress = [line for line in err.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in progress] == ["3/9", "6/9", "9/9"]
+    assert all("loss" in line and "examples/sec" in line and "epoch" in line for line in progress)
+    assert "\x1b" not in err
+    assert cli.main(["train", "--steps", "9", "--batch-size", "64", "--log-every", "3", "--quiet",
+                     "--run-dir", str(tmp_path / "b")]) == 0
+    assert "step " not in capsys.readouterr().err
+
+
+def test_summary_reports_train_seconds_apart_from_compile(tmp_path, synthetic_cli):
+    assert tiny_run(tmp_path / "run") == 0
+    summary = artifacts.read_json(tmp_path / "run" / "summary.json")
+    assert 0 < summary["train_seconds"] <= summary["wall_seconds"]
+    assert summary["compile_seconds"] > 0 and summary["train_examples_per_sec"] > 0
+
+
+def test_report_on_a_stale_synthetic_dir_has_no_bare_none(tmp_path, synthetic_cli):
+    assert tiny_run(tmp_path / "run") == 0
+    html = (tmp_path / "run" / "report.html").read_text()
+    assert "(default)" not in html and ">None<" not in html
+    assert "(set by steps)" in html and ">off<" in html  # epochs of a --steps run; clip norm unset
+
+
+def test_write_synthetic_files_still_cover_the_cli(tmp_path):
+    write_synthetic_files(tmp_path / "fashion")  # valid IDX, foreign checksums: a clean exit 1
+    result = fashionjax("data", "--data-dir", str(tmp_path / "fashion"), "--json", "--out", str(tmp_path / "o"))
+    assert result.returncode == 1 and json.loads(result.stdout)["error"]["kind"] == "data"
