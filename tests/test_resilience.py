@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -53,7 +54,8 @@ def reference(real_dataset, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("reference") / "run"
     code, out, err = finish(start(run_dir, "--json"))
     assert code == 0, err
-    return {"digest": json.loads(out)["params_digest"], "steps": steps_of(run_dir)}
+    summary = json.loads(out)
+    return {"digest": summary["params_digest"], "steps": steps_of(run_dir), "summary": summary}
 
 
 def resume(run_dir: Path) -> dict:
@@ -88,7 +90,7 @@ def test_sigkill_then_resume_is_bit_identical(kill_point, reference, tmp_path):
     process.wait(timeout=30)
     if kill_point == "mid-checkpoint-write":
         # The half-written one never counts (120 only if its rename won the race with the kill).
-        assert checkpoint.read_meta(run_dir / "checkpoints")["step"] in (60, 120)
+        assert checkpoint.latest_meta(run_dir / "checkpoints")["step"] in (60, 120)
     summary = resume(run_dir)
     assert summary["params_digest"] == reference["digest"]
     assert steps_of(run_dir) == reference["steps"]  # no duplicated or missing log points
@@ -102,8 +104,8 @@ def test_signal_saves_exits_and_resumes(signum, exit_code, reference, tmp_path):
     process.send_signal(signum)
     code, _, err = finish(process)
     assert code == exit_code, err
-    assert "fashionjax train --resume --run-dir" in err
-    assert checkpoint.read_meta(run_dir / "checkpoints")["step"] >= 20
+    assert "fashionjax train --resume --run-dir" in err and "Traceback" not in err
+    assert checkpoint.latest_meta(run_dir / "checkpoints")["step"] >= 20
     assert resume(run_dir)["params_digest"] == reference["digest"]
 
 
@@ -119,9 +121,10 @@ def test_resume_refusals(reference, tmp_path, real_dataset):
     assert code == 1 and "cannot resume with a different config: lr 0.003 -> 0.01" in err
     code, _, err = finish(start(run_dir, "--resume", "--batch-size", "128", "--seed", "4"))
     assert code == 1 and "batch_size 1024 -> 128" in err and "seed 0 -> 4" in err
-    code, out, err = finish(start(run_dir, "--resume", "--steps", "180", "--json"))  # extending is allowed
-    assert code == 0, err
-    assert json.loads(out)["steps"] == 180 and steps_of(run_dir)[-1] == 180
+    code, _, err = finish(start(run_dir, "--resume", "--steps", "180"))  # a cosine run is not re-stretched
+    assert code == 1 and "laid out for 160 steps" in err and not (run_dir / "summary.json").exists()
+    code, _, err = finish(start(run_dir, "--resume", "--steps", "50"))
+    assert code == 1 and "below the checkpoint's step 60" in err
 
 
 def test_torn_metrics_line_is_skipped(tmp_path):
@@ -142,7 +145,7 @@ def test_divergence_stops_with_exit_1_and_keeps_the_last_good_checkpoint(tmp_pat
     err = capsys.readouterr().err
     assert code == 1 and "diverged at step" in err
     diverged_at = int(err.split("diverged at step ")[1].split(":")[0])
-    meta = checkpoint.read_meta(run_dir / "checkpoints")
+    meta = checkpoint.latest_meta(run_dir / "checkpoints")
     assert meta is not None and meta["step"] < diverged_at
     assert steps_of(run_dir)[-1] >= diverged_at and not (run_dir / "summary.json").exists()
 
@@ -162,7 +165,7 @@ def test_failed_checkpoint_write_is_an_error_and_keeps_the_previous(tmp_path, sy
     err = capsys.readouterr().err
     assert code == 1
     assert "checkpoint at step 20 could not be written" in err and "No space left on device" in err
-    assert checkpoint.read_meta(run_dir / "checkpoints")["step"] == 10
+    assert checkpoint.latest_meta(run_dir / "checkpoints")["step"] == 10
 
 
 def test_unwritable_run_dir_fails_before_training(tmp_path, synthetic_cli, capsys):
@@ -187,12 +190,165 @@ def test_atomic_write_leaves_old_file_when_interrupted(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temp file left behind
 
 
-def test_overwrite_removes_only_what_a_run_wrote(tmp_path):
+# ---------------------------------------------------------------- users doing things at once
+
+
+def test_parallel_trainings_get_their_own_directories(real_dataset, tmp_path):
+    processes = [subprocess.Popen([sys.executable, "-m", "fashionjax", "train", "--steps", "20", "--batch-size",
+                                   "1024", "--log-every", "10", "--offline", "--json", "--seed", str(seed)],
+                                  cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for seed in range(3)]
+    summaries = []
+    for process in processes:
+        code, out, err = finish(process)
+        assert code == 0, err
+        summaries.append(json.loads(out))
+    run_dirs = {tmp_path / s["run_dir"] for s in summaries}
+    assert len(run_dirs) == 3 and run_dirs == set((tmp_path / "runs").iterdir())
+    for summary in summaries:
+        saved = artifacts.read_json(tmp_path / summary["run_dir"] / "summary.json")
+        assert saved["params_digest"] == summary["params_digest"] and saved["seed"] == summary["seed"]
+
+
+def test_second_training_on_a_live_directory_is_refused_and_the_first_is_untouched(reference, tmp_path):
     run_dir = tmp_path / "run"
-    (run_dir / "checkpoints" / "10").mkdir(parents=True)
-    (run_dir / "summary.json").write_text("{}")
-    (run_dir / "notes.txt").write_text("mine")
-    with pytest.raises(artifacts.ConfigError, match="not empty"):
-        artifacts.prepare_run_dir(run_dir)
-    artifacts.prepare_run_dir(run_dir, overwrite=True)
-    assert [p.name for p in run_dir.iterdir()] == ["notes.txt"]
+    first = start(run_dir)
+    wait_for(lambda: len(steps_of(run_dir)) >= 1, first)
+    for extra in ((), ("--overwrite",), ("--resume",)):
+        code, out, err = finish(start(run_dir, "--json", *extra), timeout=120)
+        assert code == 1, err
+        assert json.loads(out)["error"]["message"].endswith(
+            f"{run_dir}: in use by another training (pid {first.pid}); wait for it to finish or choose another --run-dir")
+    code, out, err = finish(first)
+    assert code == 0, err
+    assert artifacts.read_json(run_dir / "summary.json")["params_digest"] == reference["digest"]
+    assert steps_of(run_dir) == reference["steps"]
+
+
+def test_eval_and_report_against_a_live_training_change_nothing(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    training = start(run_dir, "--checkpoint-every", "10")  # a checkpoint every chunk: many writes to race
+    wait_for(lambda: (run_dir / "config.json").is_file(), training)
+    evals = []
+    while training.poll() is None:
+        result = subprocess.run([sys.executable, "-m", "fashionjax", "eval", str(run_dir), "--offline", "--json"],
+                                capture_output=True, text=True, timeout=120)
+        document = json.loads(result.stdout)
+        assert result.returncode in (0, 1), result.stderr
+        evals.append(document.get("step") or document["error"]["message"])
+        report = subprocess.run([sys.executable, "-m", "fashionjax", "report", str(run_dir), "--json"],
+                                capture_output=True, text=True, timeout=120)
+        if training.poll() is None and report.returncode == 1:
+            assert "still training" in json.loads(report.stdout)["error"]["message"]
+    code, _, err = finish(training)
+    assert code == 0, err
+    assert any(isinstance(e, int) for e in evals), evals  # at least one eval read a live checkpoint
+    assert artifacts.read_json(run_dir / "summary.json")["params_digest"] == reference["digest"]
+    assert steps_of(run_dir) == reference["steps"]
+    # the live report is written elsewhere with --out, never into the run
+    out = tmp_path / "elsewhere.html"
+    assert subprocess.run([sys.executable, "-m", "fashionjax", "report", str(run_dir), "--out", str(out)],
+                          capture_output=True, timeout=120).returncode == 0 and out.stat().st_size > 1000
+
+
+def test_resume_with_no_flags_continues_the_run_as_started(reference, tmp_path):
+    run_dir = tmp_path / "my runs" / "a b"  # the printed hint must survive spaces
+    process = start(run_dir)
+    wait_for(lambda: len(steps_of(run_dir)) >= 3, process)
+    process.send_signal(signal.SIGTERM)
+    code, _, err = finish(process)
+    assert code == 143, err
+    hint = err.split("resume with: ")[1].splitlines()[0]
+    words = shlex.split(hint)
+    assert words[:5] == ["fashionjax", "train", "--resume", "--run-dir", str(run_dir)]
+    result = subprocess.run([sys.executable, "-m", "fashionjax", *words[1:], "--json"], capture_output=True,
+                            text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["params_digest"] == reference["digest"]
+    assert steps_of(run_dir) == reference["steps"]
+
+
+def test_a_run_killed_after_training_resumes_to_completion_with_its_own_figures(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    process = start(run_dir)
+    wait_for(finalized(run_dir, 160), process, poll=0.0005)  # the last checkpoint: training is over
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    summary = resume(run_dir)
+    assert summary["params_digest"] == reference["digest"] and summary["steps"] == 160
+    assert summary["final_train_loss"] == reference["summary"]["final_train_loss"]
+    for figure in ("train_examples_per_sec", "compile_seconds", "train_seconds", "wall_seconds"):
+        assert summary[figure] and summary[figure] > 0, figure
+    assert summary["train_seconds"] < summary["wall_seconds"]
+    assert (run_dir / "report.html").is_file() and steps_of(run_dir) == reference["steps"]
+
+
+def test_interrupt_during_evaluation_leaves_a_run_that_resume_completes(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    process = start(run_dir)
+    wait_for(finalized(run_dir, 160), process, poll=0.0005)
+    process.send_signal(signal.SIGINT)
+    code, _, err = finish(process)
+    assert code in (130, 0), err  # 0 only when the whole evaluation beat the signal
+    assert "Traceback" not in err
+    if code == 130:
+        assert not (run_dir / "summary.json").exists() and "resume with:" in err
+    assert resume(run_dir)["params_digest"] == reference["digest"]
+
+
+def test_sigint_twice_never_tears_the_checkpoint(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    process = start(run_dir)
+    wait_for(lambda: len(steps_of(run_dir)) >= 2, process)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    code, _, err = finish(process)
+    assert code == 130, err
+    assert "Traceback" not in err and "checkpoint saved" in err
+    assert resume(run_dir)["params_digest"] == reference["digest"]
+
+
+@pytest.mark.parametrize("signum,exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_during_start_up_exits_cleanly_leaving_nothing(signum, exit_code, real_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    process = start(run_dir)
+    time.sleep(1.0)  # importing JAX, loading data: before the first chunk
+    process.send_signal(signum)
+    code, _, err = finish(process)
+    assert "Traceback" not in err
+    if code == exit_code and not (run_dir / "checkpoints").is_dir():
+        assert not run_dir.exists()  # nothing half-written
+    else:  # the signal came after training began: then it must have checkpointed
+        assert code == exit_code and "resume with:" in err
+
+
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    process = start(run_dir)
+    wait_for(lambda: finalized(run_dir, 120)() and max(steps_of(run_dir)) >= 130, process)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    newest = run_dir / "checkpoints" / "120"
+    for path in newest.rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"\0garbage\0")
+    summary = resume(run_dir)
+    assert summary["params_digest"] == reference["digest"]
+    assert steps_of(run_dir) == reference["steps"]
+
+
+def test_closed_and_broken_output_streams_lose_nothing(reference, tmp_path):
+    closed = tmp_path / "closed"
+    command = " ".join(shlex.quote(w) for w in [sys.executable, "-m", "fashionjax", "train", *RUN, "--run-dir",
+                                                 str(closed)])
+    result = subprocess.run(["bash", "-c", f"{command} >&- 2>&-"], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0
+    assert artifacts.read_json(closed / "summary.json")["params_digest"] == reference["digest"]
+
+    piped = tmp_path / "piped"
+    command = command.replace(shlex.quote(str(closed)), shlex.quote(str(piped)))
+    result = subprocess.run(["bash", "-c", f"{command} 2>&1 | head -c 20; echo; echo status=${{PIPESTATUS[0]}}"],
+                            capture_output=True, text=True, timeout=240)
+    assert result.stdout.strip().endswith("status=0") and "Traceback" not in result.stdout
+    assert artifacts.read_json(piped / "summary.json")["params_digest"] == reference["digest"]

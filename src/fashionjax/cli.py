@@ -239,7 +239,10 @@ def cmd_train(args, out, stops: StopRequests) -> int:
     if multi and not args.run_dir:
         raise ConfigError("--run-dir is required with several processes (all of them write checkpoints there)")
     if args.resume and not Path(args.run_dir).is_dir():
-        raise ConfigError(f"{args.run_dir}: no such run directory to resume")
+        from fashionjax.checkpoint import ResumeError
+
+        raise ResumeError(f"{Path(args.run_dir) / 'checkpoints'}: no finalized checkpoint to resume from "
+                          "(no such run directory)")
 
     from fashionjax import distributed
 
@@ -266,12 +269,12 @@ def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, run_dir:
     from fashionjax import train as train_lib
 
     checkpoints = run_dir / "checkpoints"
-    saved_plan = None
+    meta = None
     started = False
     try:
         if args.resume:
-            config = config_lib.validate(run_lib.resumed_config(checkpoints, explicit, out.note))
-            saved_plan = run_lib.saved_plan(checkpoints)
+            config, meta = run_lib.resumed_config(checkpoints, explicit, out.note)
+            config_lib.validate(config)
         else:
             config = config_lib.validate(_fresh_config(explicit))
             if owned is not None:
@@ -279,9 +282,11 @@ def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, run_dir:
         _enable_compile_cache()
         dataset = _load_data(args, out)
         mesh = distributed.make_mesh(args.devices)
+        saved_plan = (meta or {}).get("plan")
         plan = plan_lib.resolve(config, len(dataset.train.labels), int(mesh.devices.size),
                                 schedule_steps=saved_plan["schedule_steps"] if saved_plan else None)
-        run_lib.check_length(config, plan, saved_plan)
+        if meta is not None:
+            run_lib.check_length(config, plan, meta)
         if owned is not None and args.overwrite:
             owned.clear()  # only now: every flag is valid and the data is here
         hint = resume_command(args, run_dir)
@@ -316,11 +321,11 @@ def _report_interrupt(out, stop: Interrupted, started: bool, owned, hint: str | 
     """Say what an interrupt left behind, and how to go on from it."""
     checkpoints = owned.path / "checkpoints" if owned else None
     if checkpoints is not None and started and _has_checkpoint(checkpoints):
-        where = f"at step {stop.step}" if stop.step is not None else "after training"
-        out.note(f"interrupted {where}, checkpoint saved; resume with: {hint}")
+        stop.outcome = f"checkpoint saved, resume with: {hint}"
         out.facts.update(run_dir=str(owned.path), step=stop.step, resume_command=hint)
     elif owned is not None:
         owned.discard_unresumable()  # nothing resumable yet: leave no half-written directory
+        stop.outcome = "before training began; nothing was kept"
 
 
 def _render_report(run_dir: Path, out, owned=None, target: Path | None = None) -> Path:

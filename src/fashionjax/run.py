@@ -44,8 +44,8 @@ def write_config(run_dir: RunDir, config: TrainConfig, plan: Plan, dataset: data
     artifacts.atomic_write_json(run_dir.file("config.json"), document)
 
 
-def resumed_config(checkpoint_dir: Path, explicit: dict, note=lambda message: None) -> TrainConfig:
-    """The saved run's config with the explicitly given flags applied on top.
+def resumed_config(checkpoint_dir: Path, explicit: dict, note=lambda message: None) -> tuple[TrainConfig, dict]:
+    """The saved run's config with the explicitly given flags applied on top, and the checkpoint's metadata.
 
     Trajectory flags that differ are refused (every difference named); the length and the cadences
     may be given. `explicit` holds only flags the user typed.
@@ -62,16 +62,16 @@ def resumed_config(checkpoint_dir: Path, explicit: dict, note=lambda message: No
         explicit = dict(explicit, epochs=None)
     elif "epochs" in explicit:
         explicit = dict(explicit, steps=None)
-    return dataclasses.replace(saved, **explicit)
+    return dataclasses.replace(saved, **explicit), meta
 
 
-def saved_plan(checkpoint_dir: Path) -> dict | None:
-    meta = checkpoint.latest_meta(checkpoint_dir)
-    return None if meta is None else meta.get("plan")
-
-
-def check_length(config: TrainConfig, plan: Plan, saved: dict | None) -> None:
-    """A cosine schedule laid out for N steps is not silently re-stretched: refuse another length."""
+def check_length(config: TrainConfig, plan: Plan, meta: dict) -> None:
+    """A run is not shortened past its checkpoint, and a cosine schedule laid out for N steps is not
+    silently re-stretched: refuse another length."""
+    if plan.total_steps < meta["step"]:
+        raise checkpoint.ResumeError(f"--steps {plan.total_steps} is below the checkpoint's step {meta['step']}: "
+                                     "a run cannot be shortened past where it is")
+    saved = meta.get("plan")
     if saved and config.schedule == "cosine" and plan.total_steps != saved["schedule_steps"]:
         raise checkpoint.ResumeError(
             f"the cosine schedule of this run is laid out for {saved['schedule_steps']} steps; running "

@@ -7,7 +7,10 @@ start-up then ends the command cleanly (exit 130/143), never with a traceback.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import sys
+import threading
 from collections.abc import Callable
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -17,10 +20,15 @@ class Interrupted(Exception):
     """A signal stopped the command; `step` is the checkpointed step when training had begun."""
 
     def __init__(self, signum: int, step: int | None = None):
-        where = "" if step is None else f" at step {step}"
-        super().__init__(f"interrupted by {signal.Signals(signum).name}{where}")
+        super().__init__(signum, step)
         self.signum = signum
         self.step = step
+        self.outcome: str | None = None  # what the interrupt left behind, said by whoever knows
+
+    def __str__(self) -> str:
+        where = "" if self.step is None else f" at step {self.step}"
+        outcome = f"; {self.outcome}" if self.outcome else ""
+        return f"interrupted by {signal.Signals(self.signum).name}{where}{outcome}"
 
 
 class StopRequests:
@@ -41,12 +49,24 @@ class StopRequests:
     def install(self) -> StopRequests:
         for signum in STOP_SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
+        self._previous_hook = sys.unraisablehook
+        sys.unraisablehook = self._unraisable
         return self
 
     def restore(self) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
+        sys.unraisablehook = self._previous_hook
+
+    def _unraisable(self, unraisable) -> None:
+        """A signal that landed in a garbage-collection callback or a __del__ cannot stop the command
+        from there (Python would print it and go on): deliver it again a moment later instead."""
+        if isinstance(unraisable.exc_value, Interrupted):
+            self.signum = None
+            threading.Timer(0.01, os.kill, (os.getpid(), unraisable.exc_value.signum)).start()
+            return
+        self._previous_hook(unraisable)
 
     def _handle(self, signum, frame) -> None:
         if self.signum is not None:
