@@ -1,10 +1,11 @@
-# Two commands: `make demo` and `make test`. Both create .venv and install what they need.
+# `make demo`, `make test` (the full suite) and `make test-fast` (the edit loop). All create .venv
+# and install what they need.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
 
-.PHONY: demo test lint data install install-dev bench clean
+.PHONY: demo test test-fast lint data install install-dev bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,9 +39,15 @@ demo: data
 lint: install-dev
 	$(BIN)/ruff check src tests benchmarks
 
+# The full suite: what CI runs.
 test: install-dev
 	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/python -m pytest -q
+
+# The edit loop: unit tests only (no real-process fault tests, browser, notebook or multi-process).
+test-fast: install-dev
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/python -m pytest -q -m "not slow and not browser and not notebook and not multiprocess"
 
 clean:
 	rm -rf runs .pytest_cache .ruff_cache

@@ -17,7 +17,9 @@ from fashionjax import artifacts
 
 pytestmark = pytest.mark.multiprocess
 
-RUN = ["--steps", "20", "--batch-size", "512", "--log-every", "5", "--offline", "--json", "--quiet"]
+# A constant schedule, so that the resume test can extend the run.
+RUN = ["--steps", "20", "--batch-size", "512", "--log-every", "5", "--schedule", "constant", "--offline", "--json",
+       "--quiet"]
 
 
 def devices_env(count: int) -> dict:

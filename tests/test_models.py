@@ -34,8 +34,10 @@ def test_model_contract(name):
     # The gradient is the loss's slope: a central difference along a random direction agrees.
     leaves, treedef = jax.tree_util.tree_flatten(params)
     keys = jax.random.split(jax.random.key(2), len(leaves))
-    direction = treedef.unflatten([jax.random.normal(k, leaf.shape) for k, leaf in zip(keys, leaves, strict=True)])
-    eps = 1e-3
+    direction = [jax.random.normal(k, leaf.shape) for k, leaf in zip(keys, leaves, strict=True)]
+    norm = sum(float(jnp.sum(d * d)) for d in direction) ** 0.5
+    direction = treedef.unflatten([d / norm for d in direction])  # a unit step in parameter space
+    eps = 1e-2
     shifted = lambda sign: jax.tree_util.tree_map(lambda p, d: p + sign * eps * d, params, direction)  # noqa: E731
     numeric = (float(loss(shifted(1))) - float(loss(shifted(-1)))) / (2 * eps)
     analytic = sum(float(jnp.vdot(g, d)) for g, d in

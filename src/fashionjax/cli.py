@@ -255,25 +255,27 @@ def cmd_train(args, out, stops: StopRequests) -> int:
             rundir.RunDir.new_default(explicit.get("model", "mlp"))
     run_dir = owned.path if owned else Path(args.run_dir)
     try:
-        return _train_owned(args, out, stops, explicit, owned, run_dir)
+        return _train_owned(args, out, stops, explicit, owned, owned or rundir.RunDir(run_dir))
     finally:
         if owned is not None:
             owned.release()
 
 
-def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, run_dir: Path) -> int:
+def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, target) -> int:
+    """The training itself, once the directory is ours (owned: process 0) or a view of it (target)."""
     from fashionjax import config as config_lib
     from fashionjax import console, distributed
     from fashionjax import plan as plan_lib
     from fashionjax import run as run_lib
     from fashionjax import train as train_lib
 
+    run_dir = target.path
     checkpoints = run_dir / "checkpoints"
     meta = None
     started = False
     try:
         if args.resume:
-            config, meta = run_lib.resumed_config(checkpoints, explicit, out.note)
+            config, meta = run_lib.resumed_config(checkpoints, explicit)
             config_lib.validate(config)
         else:
             config = config_lib.validate(_fresh_config(explicit))
@@ -295,10 +297,9 @@ def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, run_dir:
             hooks = train_lib.Hooks(on_log=progress.update, stop_signal=stops.pending, on_note=out.note)
             started = True
             with stops.deferred():
-                result = run_lib.train(config, plan, dataset, owned or run_dir, mesh, resume=args.resume,
-                                       hooks=hooks)
+                result = run_lib.train(config, plan, dataset, target, mesh, resume=args.resume, hooks=hooks)
         stops.raise_pending(plan.total_steps)  # a signal during the last chunk: its checkpoint is down
-        summary = run_lib.finish(config, result, dataset, owned or run_dir, mesh)
+        summary = run_lib.finish(config, result, dataset, target, mesh)
     except Interrupted as stop:
         _report_interrupt(out, stop, started, owned, hint if started else None)
         raise
