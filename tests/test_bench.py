@@ -32,6 +32,7 @@ def test_unknown_gpu_gets_no_mfu():
     assert bench.peaks("gpu", "Mystery Accelerator", ("float32",))["flops_per_sec"] == {}
 
 
+@pytest.mark.slow
 def test_bench_cli_tiny_run_writes_the_schema(tmp_path, synthetic_cli, monkeypatch, capsys):
     monkeypatch.setattr(bench, "measure_cpu_peak", lambda dtype: 1e11)  # the probe is timed elsewhere
     out_dir = tmp_path / "bench"

@@ -73,6 +73,7 @@ def test_doctor_json_and_require_gpu():
     json.loads(strict.stdout)  # still exactly one document
 
 
+@pytest.mark.slow
 def test_data_json_on_the_real_data(tmp_path, real_dataset):
     result = fashionjax("data", "--json", "--offline", "--out", str(tmp_path / "out"))
     assert result.returncode == 0, result.stderr
@@ -120,6 +121,7 @@ def test_default_run_dir_is_timestamped(tmp_path, synthetic_cli, monkeypatch, ca
     assert (run_dir / "summary.json").exists()
 
 
+@pytest.mark.slow
 def test_real_data_short_run_learns(tmp_path, real_dataset):
     run_dir = tmp_path / "real"
     result = fashionjax("train", "--steps", "100", "--schedule", "constant", "--run-dir", str(run_dir),

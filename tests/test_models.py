@@ -15,14 +15,16 @@ def test_model_contract(name):
     model = models.get(name)
     params = model.init(jax.random.key(0))
     images = jax.random.uniform(jax.random.key(1), (4, 28, 28))
+    apply = jax.jit(model.apply, static_argnums=2)
     for dtype in (jnp.float32, jnp.bfloat16):
-        logits = model.apply(params, images, dtype)
+        logits = apply(params, images, dtype)
         assert logits.shape == (4, 10) and logits.dtype == jnp.float32
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree_util.tree_leaves(params))
 
     images_u8 = (np.asarray(images) * 255).astype(np.uint8)
     labels = jnp.arange(4) % 10
 
+    @jax.jit
     def loss(p):
         return train.loss_and_accuracy(p, images_u8, labels, model, jnp.float32)[0]
 

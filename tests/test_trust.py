@@ -11,6 +11,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -19,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import write_synthetic_files
+from conftest import synthetic_dataset, write_synthetic_files
 
 from fashionjax import artifacts, cli, config, data, plan, rundir
 from fashionjax.report import render
@@ -37,6 +38,18 @@ def lines(text: str) -> list[str]:
 def tiny_run(run_dir: Path, *extra: str) -> int:
     return cli.main(["train", "--steps", "6", "--batch-size", "64", "--log-every", "3", "--quiet",
                      "--run-dir", str(run_dir), *extra])
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """One finished tiny run (synthetic data) that read-only tests share; copy it before changing it."""
+    directory = tmp_path_factory.mktemp("finished") / "run"
+    dataset = synthetic_dataset(num_train=1024, num_test=300)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        patch.setattr(data, "load", lambda *a, **k: dataset)
+        assert tiny_run(directory) == 0
+    return directory
 
 
 # ---------------------------------------------------------------- ownership
@@ -74,9 +87,10 @@ def test_a_locked_run_dir_is_refused_with_the_holders_pid(tmp_path, synthetic_cl
     finally:
         owner.release()
     assert rundir.is_live(tmp_path / "run") is None
-    assert tiny_run(tmp_path / "run") == 0
+    assert not (tmp_path / "run" / rundir.LOCK).exists()  # a lock file it added to an empty directory goes
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_a_run_and_never_a_users_file(tmp_path, synthetic_cli, capsys):
     run_dir = tmp_path / "run"
     assert tiny_run(run_dir) == 0
@@ -105,6 +119,7 @@ def test_overwrite_refuses_a_directory_that_is_not_a_run(tmp_path, synthetic_cli
     assert sorted(p.name for p in folder.iterdir()) == ["holiday.jpg"]
 
 
+@pytest.mark.slow
 def test_overwrite_with_a_bad_flag_or_missing_data_touches_nothing(tmp_path, synthetic_cli, monkeypatch, capsys):
     run_dir = tmp_path / "run"
     assert tiny_run(run_dir) == 0
@@ -152,6 +167,7 @@ def test_plan_resolves_geometry_once():
     assert capped.log_every == 7 and capped.perms_per_chunk == 2
 
 
+@pytest.mark.slow
 def test_absurd_log_every_is_capped_to_the_run(tmp_path, synthetic_cli):
     assert cli.main(["train", "--steps", "7", "--batch-size", "64", "--log-every", str(10**12), "--quiet",
                      "--run-dir", str(tmp_path / "run")]) == 0
@@ -188,9 +204,9 @@ def test_bad_flags_exit_2_with_one_json_document_and_no_files(tmp_path, args, ne
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run dir, no runs/
 
 
-def test_json_errors_name_the_broken_file(tmp_path, synthetic_cli, capsys):
+def test_json_errors_name_the_broken_file(finished_run, tmp_path, synthetic_cli, capsys):
     run_dir = tmp_path / "run"
-    assert tiny_run(run_dir) == 0
+    shutil.copytree(finished_run, run_dir)
     (run_dir / "metrics.jsonl").write_text('{"step": 3}\n{"step": 6, "lo\n{"step": 9}\n')
     capsys.readouterr()
     assert cli.main(["report", str(run_dir), "--json"]) == 1
@@ -208,9 +224,8 @@ def test_json_errors_name_the_broken_file(tmp_path, synthetic_cli, capsys):
 
 
 @pytest.mark.parametrize("chart", ["../secret.png", "/etc/passwd", "sub/../../x.png", "notes.txt"])
-def test_report_includes_only_charts_beside_bench_json(tmp_path, synthetic_cli, chart, capsys):
-    run_dir = tmp_path / "run"
-    assert tiny_run(run_dir) == 0
+def test_report_includes_only_charts_beside_bench_json(finished_run, tmp_path, chart, capsys):
+    run_dir = finished_run
     (tmp_path / "secret.png").write_bytes(b"\x89PNG secret")
     bench_json = tmp_path / "bench" / "bench.json"
     bench_json.parent.mkdir()
@@ -273,6 +288,7 @@ def test_train_help_shows_the_chosen_models_recipe(model, lr, capsys, monkeypatc
     assert f"Defaults shown are the {model} recipe's" in " ".join(text.split())
 
 
+@pytest.mark.slow
 def test_progress_is_one_plain_line_per_log_point_off_a_terminal(tmp_path, synthetic_cli, capsys):
     assert cli.main(["train", "--steps", "9", "--batch-size", "64", "--log-every", "3",
                      "--run-dir", str(tmp_path / "a")]) == 0
@@ -286,16 +302,14 @@ def test_progress_is_one_plain_line_per_log_point_off_a_terminal(tmp_path, synth
     assert "step " not in capsys.readouterr().err
 
 
-def test_summary_reports_train_seconds_apart_from_compile(tmp_path, synthetic_cli):
-    assert tiny_run(tmp_path / "run") == 0
-    summary = artifacts.read_json(tmp_path / "run" / "summary.json")
+def test_summary_reports_train_seconds_apart_from_compile(finished_run):
+    summary = artifacts.read_json(finished_run / "summary.json")
     assert 0 < summary["train_seconds"] <= summary["wall_seconds"]
     assert summary["compile_seconds"] > 0 and summary["train_examples_per_sec"] > 0
 
 
-def test_report_on_a_stale_synthetic_dir_has_no_bare_none(tmp_path, synthetic_cli):
-    assert tiny_run(tmp_path / "run") == 0
-    html = (tmp_path / "run" / "report.html").read_text()
+def test_report_shows_what_unset_settings_mean(finished_run):
+    html = (finished_run / "report.html").read_text()
     assert "(default)" not in html and ">None<" not in html
     assert "(set by steps)" in html and ">off<" in html  # epochs of a --steps run; clip norm unset
 
