@@ -436,7 +436,8 @@ COMMANDS = {"doctor": cmd_doctor, "data": cmd_data, "train": cmd_train, "eval": 
 # What kind of failure each exception is, for `{"error": {"kind": ...}}`; checked in order.
 ERROR_KINDS = (("ConfigError", "usage"), ("UsageError", "usage"), ("RunDirBusy", "busy"),
                ("ResumeError", "resume"), ("CheckpointError", "checkpoint"), ("DataError", "data"),
-               ("Diverged", "diverged"), ("ArtifactError", "file"), ("OSError", "io"))
+               ("Diverged", "diverged"), ("ArtifactError", "file"), ("Interrupted", "interrupted"),
+               ("OSError", "io"))
 
 
 def error_kind(err: BaseException) -> str:

@@ -74,7 +74,7 @@ class StopRequests:
             return
         self.signum = signum
         if self._deferred:
-            self.note(f"{signal.Signals(signum).name}: stopping after the current chunk and a checkpoint")
+            self.note(f"{signal.Signals(signum).name}: stopping at the next chunk end (with a checkpoint once training has begun)")
         else:
             raise Interrupted(signum)
 

@@ -278,6 +278,9 @@ def fit(
                 tic = time.perf_counter()
                 compiled[num_steps] = compile_chunk(train_step, num_steps, plan, mesh, args, augment_key)
                 stats.compile_seconds += time.perf_counter() - tic
+            signum = hooks.stop_signal()
+            if signum is not None and stats.chunks == 0:  # asked during start-up or compile: nothing to save yet
+                raise Interrupted(signum, step)
             tic = time.perf_counter()
             state, chunk_metrics = compiled[num_steps](*args)
             jax.block_until_ready((state, chunk_metrics))  # fence: the clock stops when the work is done
