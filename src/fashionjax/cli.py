@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -200,141 +198,12 @@ def cmd_data(args, out) -> int:
     return EXIT_OK
 
 
-def _explicit_config(args) -> dict:
-    """The TrainConfig fields the user typed (flags left unset are None)."""
-    names = [f.name for f in dataclasses.fields(TrainConfig) if "help" in f.metadata]
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-
-
-def _fresh_config(explicit: dict) -> TrainConfig:
-    from fashionjax import config as config_lib
-
-    if "steps" in explicit:
-        explicit = dict(explicit, epochs=None)
-    return dataclasses.replace(config_lib.default(explicit.get("model", "mlp")), **explicit)
-
-
-def resume_command(args, run_dir: Path) -> str:
-    """The exact, shell-quoted command that continues this run."""
-    words = ["fashionjax", "train", "--resume", "--run-dir", str(run_dir)]
-    if args.data_dir:
-        words += ["--data-dir", args.data_dir]
-    if args.offline:
-        words.append("--offline")
-    return shlex.join(words)
-
-
 def cmd_train(args, out, stops: StopRequests) -> int:
-    from fashionjax import config as config_lib
-    from fashionjax import rundir
+    from fashionjax import train_command
 
-    if args.resume and not args.run_dir:
-        raise ConfigError("--resume needs --run-dir")
-    if args.resume and args.overwrite:
-        raise ConfigError("--resume and --overwrite contradict each other")
-    explicit = _explicit_config(args)
-    if not args.resume:
-        config_lib.validate(_fresh_config(explicit))  # flag faults first: before any file is touched
-    multi = args.coordinator or args.num_processes or args.auto_distributed
-    if multi and not args.run_dir:
-        raise ConfigError("--run-dir is required with several processes (all of them write checkpoints there)")
-    if args.resume and not Path(args.run_dir).is_dir():
-        from fashionjax.checkpoint import ResumeError
-
-        raise ResumeError(f"{Path(args.run_dir) / 'checkpoints'}: no finalized checkpoint to resume from "
-                          "(no such run directory)")
-
-    from fashionjax import distributed
-
-    distributed.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.auto_distributed,
-                           timeout=args.coordinator_timeout)
-    writer = distributed.process_index() == 0
-    owned = None
-    if writer:  # one training per directory: refused at once, before any data is loaded
-        owned = rundir.RunDir.claim(args.run_dir) if args.run_dir else \
-            rundir.RunDir.new_default(explicit.get("model", "mlp"))
-    run_dir = owned.path if owned else Path(args.run_dir)
-    try:
-        return _train_owned(args, out, stops, explicit, owned, owned or rundir.RunDir(run_dir))
-    finally:
-        if owned is not None:
-            owned.release()
-
-
-def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, target) -> int:
-    """The training itself, once the directory is ours (owned: process 0) or a view of it (target)."""
-    from fashionjax import config as config_lib
-    from fashionjax import console, distributed
-    from fashionjax import plan as plan_lib
-    from fashionjax import run as run_lib
-    from fashionjax import train as train_lib
-
-    run_dir = target.path
-    checkpoints = run_dir / "checkpoints"
-    meta = None
-    started = False
-    try:
-        if args.resume:
-            config, meta = run_lib.resumed_config(checkpoints, explicit)
-            config_lib.validate(config)
-        else:
-            config = config_lib.validate(_fresh_config(explicit))
-            if owned is not None:
-                owned.check_new_run(args.overwrite)
-        _enable_compile_cache()
-        dataset = _load_data(args, out)
-        mesh = distributed.make_mesh(args.devices)
-        saved_plan = (meta or {}).get("plan")
-        plan = plan_lib.resolve(config, len(dataset.train.labels), int(mesh.devices.size),
-                                schedule_steps=saved_plan["schedule_steps"] if saved_plan else None)
-        if meta is not None:
-            run_lib.check_length(config, plan, meta)
-        if owned is not None and args.overwrite:
-            owned.clear()  # only now: every flag is valid and the data is here
-        hint = resume_command(args, run_dir)
-        progress = console.Progress(out, plan.total_steps)
-        with progress:
-            hooks = train_lib.Hooks(on_log=progress.update, stop_signal=stops.pending, on_note=out.note)
-            started = True
-            with stops.deferred():
-                result = run_lib.train(config, plan, dataset, target, mesh, resume=args.resume, hooks=hooks)
-        stops.raise_pending(plan.total_steps)  # a signal during the last chunk: its checkpoint is down
-        summary = run_lib.finish(config, result, dataset, target, mesh)
-    except Interrupted as stop:
-        _report_interrupt(out, stop, started, owned, hint if started else None)
-        raise
-    except BaseException:
-        if owned is not None and not args.resume and not _has_checkpoint(checkpoints):
-            owned.discard_unresumable()
-        raise
-    if owned is not None:
-        _render_report(run_dir, out, owned)
-    console.show_summary(out, summary, run_dir)
-    out.document(dict(summary, run_dir=str(run_dir)))
-    return EXIT_OK
-
-
-def _has_checkpoint(checkpoints: Path) -> bool:
-    return checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
-
-
-def _report_interrupt(out, stop: Interrupted, started: bool, owned, hint: str | None) -> None:
-    """Say what an interrupt left behind, and how to go on from it."""
-    checkpoints = owned.path / "checkpoints" if owned else None
-    if checkpoints is not None and started and _has_checkpoint(checkpoints):
-        stop.outcome = f"checkpoint saved, resume with: {hint}"
-        out.facts.update(run_dir=str(owned.path), step=stop.step, resume_command=hint)
-    elif owned is not None:
-        owned.discard_unresumable()  # nothing resumable yet: leave no half-written directory
-        stop.outcome = "before training began; nothing was kept"
-
-
-def _render_report(run_dir: Path, out, owned=None, target: Path | None = None) -> Path:
-    from fashionjax.report import render
-
-    path = render.render(run_dir, target=target or (owned.file("report.html") if owned else None))
-    out.note(f"report: {path}")
-    return path
+    explicit = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+                if "help" in f.metadata and getattr(args, f.name) is not None}
+    return train_command.run(args, explicit, out, stops)
 
 
 def cmd_report(args, out) -> int:
@@ -364,13 +233,13 @@ def cmd_report(args, out) -> int:
 
 
 def cmd_eval(args, out) -> int:
-    from fashionjax import console, distributed
+    from fashionjax import console, distributed, environment
     from fashionjax import run as run_lib
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.json").is_file():
         raise ConfigError(f"{run_dir}: not a run directory (no config.json)")
-    _enable_compile_cache()
+    environment.enable_compile_cache()
     dataset = _load_data(args, out)
     scored = run_lib.rescore(run_dir, dataset, distributed.make_mesh("all"), out.note)
     report = scored["report"]
@@ -396,7 +265,7 @@ def _csv(text: str | None, cast, flag: str):
 
 
 def cmd_bench(args, out) -> int:
-    from fashionjax import artifacts, bench, console, distributed
+    from fashionjax import artifacts, bench, console, distributed, environment
 
     base = bench.quick() if args.quick else bench.BenchConfig()
     overrides = {"model": args.model, "batch_sizes": _csv(args.batch_sizes, int, "--batch-sizes"),
@@ -406,7 +275,7 @@ def cmd_bench(args, out) -> int:
         config = dataclasses.replace(config, compare_batch=config.batch_sizes[0])
     mesh = distributed.make_mesh(args.devices)
     bench.validate(config, 60000, int(mesh.devices.size))  # flag faults before anything is written
-    _enable_compile_cache()
+    environment.enable_compile_cache()
     dataset = _load_data(args, out)
     out_dir = artifacts.ensure_dir(args.out or Path("runs") / f"bench-{artifacts.utc_stamp()}")
     document = bench.run(config, dataset.train.images_u8, dataset.train.labels, mesh, log=out.note)
@@ -415,19 +284,6 @@ def cmd_bench(args, out) -> int:
     out.show(f"bench.json and charts: {out_dir}")
     out.document(document)
     return EXIT_OK
-
-
-def _enable_compile_cache() -> None:
-    """A persistent XLA cache under the user cache dir: later runs skip most compiling."""
-    if os.environ.get("FASHIONJAX_NO_COMPILE_CACHE"):
-        return
-    import jax
-
-    from fashionjax import data
-
-    jax.config.update("jax_compilation_cache_dir", str(data.cache_root() / "xla-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 COMMANDS = {"doctor": cmd_doctor, "data": cmd_data, "train": cmd_train, "eval": cmd_eval,

@@ -70,3 +70,16 @@ def describe(with_git: bool = False) -> dict:
     if with_git:
         info["git_commit"] = git_commit()
     return info
+
+
+def enable_compile_cache() -> None:
+    """A persistent XLA cache under the user cache dir: later runs skip most compiling."""
+    if os.environ.get("FASHIONJAX_NO_COMPILE_CACHE"):
+        return
+    import jax
+
+    from fashionjax import data  # no JAX there: no import cycle
+
+    jax.config.update("jax_compilation_cache_dir", str(data.cache_root() / "xla-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

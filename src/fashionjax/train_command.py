@@ -1,0 +1,132 @@
+"""The `train` command around the library: who owns the run directory, in which order things are
+checked and written, and what a signal at each phase leaves behind.
+
+Order: flags (exit 2, nothing touched) -> the directory's lock (exit 1 at once if busy) -> the saved
+config of a resumed run -> data, mesh and plan -> only then --overwrite's removals -> training
+(signals deferred to the next chunk end) -> evaluation and artifacts (signals stop at once; the final
+checkpoint is down, so --resume completes the run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from pathlib import Path
+
+from fashionjax import config as config_lib
+from fashionjax import console, data, distributed, environment, rundir
+from fashionjax import plan as plan_lib
+from fashionjax import run as run_lib
+from fashionjax import train as train_lib
+from fashionjax.checkpoint import ResumeError
+from fashionjax.config import ConfigError, TrainConfig
+from fashionjax.report import render
+from fashionjax.signals import Interrupted, StopRequests
+
+
+def _fresh_config(explicit: dict) -> TrainConfig:
+    if "steps" in explicit:
+        explicit = dict(explicit, epochs=None)
+    return dataclasses.replace(config_lib.default(explicit.get("model", "mlp")), **explicit)
+
+
+def resume_command(args, run_dir: Path) -> str:
+    """The exact, shell-quoted command that continues this run."""
+    words = ["fashionjax", "train", "--resume", "--run-dir", str(run_dir)]
+    if args.data_dir:
+        words += ["--data-dir", args.data_dir]
+    if args.offline:
+        words.append("--offline")
+    return shlex.join(words)
+
+
+def run(args, explicit: dict, out, stops: StopRequests) -> int:
+    """Train as the flags say; `explicit` holds the TrainConfig fields the user typed."""
+    if args.resume and not args.run_dir:
+        raise ConfigError("--resume needs --run-dir")
+    if args.resume and args.overwrite:
+        raise ConfigError("--resume and --overwrite contradict each other")
+    if not args.resume:
+        config_lib.validate(_fresh_config(explicit))  # flag faults first: before any file is touched
+    multi = args.coordinator or args.num_processes or args.auto_distributed
+    if multi and not args.run_dir:
+        raise ConfigError("--run-dir is required with several processes (all of them write checkpoints there)")
+    if args.resume and not Path(args.run_dir).is_dir():
+        raise ResumeError(f"{Path(args.run_dir) / 'checkpoints'}: no finalized checkpoint to resume from "
+                          "(no such run directory)")
+
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.auto_distributed,
+                           timeout=args.coordinator_timeout)
+    writer = distributed.process_index() == 0
+    owned = None
+    if writer:  # one training per directory: refused at once, before any data is loaded
+        owned = rundir.RunDir.claim(args.run_dir) if args.run_dir else \
+            rundir.RunDir.new_default(explicit.get("model", "mlp"))
+    run_dir = owned.path if owned else Path(args.run_dir)
+    try:
+        return _train_owned(args, out, stops, explicit, owned, owned or rundir.RunDir(run_dir))
+    finally:
+        if owned is not None:
+            owned.release()
+
+
+def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, target) -> int:
+    """The training itself, once the directory is ours (owned: process 0) or a view of it (target)."""
+    run_dir = target.path
+    checkpoints = run_dir / "checkpoints"
+    meta = None
+    started = False
+    try:
+        if args.resume:
+            config, meta = run_lib.resumed_config(checkpoints, explicit)
+            config_lib.validate(config)
+        else:
+            config = config_lib.validate(_fresh_config(explicit))
+            if owned is not None:
+                owned.check_new_run(args.overwrite)
+        environment.enable_compile_cache()
+        dataset = data.load(args.data_dir, offline=args.offline, log=out.note)
+        mesh = distributed.make_mesh(args.devices)
+        saved_plan = (meta or {}).get("plan")
+        plan = plan_lib.resolve(config, len(dataset.train.labels), int(mesh.devices.size),
+                                schedule_steps=saved_plan["schedule_steps"] if saved_plan else None)
+        if meta is not None:
+            run_lib.check_length(config, plan, meta)
+        if owned is not None and args.overwrite:
+            owned.clear()  # only now: every flag is valid and the data is here
+        hint = resume_command(args, run_dir)
+        progress = console.Progress(out, plan.total_steps)
+        with progress:
+            hooks = train_lib.Hooks(on_log=progress.update, stop_signal=stops.pending, on_note=out.note)
+            started = True
+            with stops.deferred():
+                result = run_lib.train(config, plan, dataset, target, mesh, resume=args.resume, hooks=hooks)
+        stops.raise_pending(plan.total_steps)  # a signal during the last chunk: its checkpoint is down
+        summary = run_lib.finish(config, result, dataset, target, mesh)
+    except Interrupted as stop:
+        _report_interrupt(out, stop, started, owned, hint if started else None)
+        raise
+    except BaseException:
+        if owned is not None and not args.resume and not _has_checkpoint(checkpoints):
+            owned.discard_unresumable()
+        raise
+    if owned is not None:
+        out.note(f"report: {render.render(run_dir, target=owned.file('report.html'))}")
+    console.show_summary(out, summary, run_dir)
+    out.document(dict(summary, run_dir=str(run_dir)))
+    return 0
+
+
+def _has_checkpoint(checkpoints: Path) -> bool:
+    return checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
+
+
+def _report_interrupt(out, stop: Interrupted, started: bool, owned, hint: str | None) -> None:
+    """Say what an interrupt left behind, and how to go on from it."""
+    checkpoints = owned.path / "checkpoints" if owned else None
+    if checkpoints is not None and started and _has_checkpoint(checkpoints):
+        stop.outcome = f"checkpoint saved, resume with: {hint}"
+        out.facts.update(run_dir=str(owned.path), step=stop.step, resume_command=hint)
+    elif owned is not None:
+        owned.discard_unresumable()  # nothing resumable yet: leave no half-written directory
+        stop.outcome = "before training began; nothing was kept"
