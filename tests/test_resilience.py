@@ -210,19 +210,24 @@ def test_parallel_trainings_get_their_own_directories(real_dataset, tmp_path):
         assert saved["params_digest"] == summary["params_digest"] and saved["seed"] == summary["seed"]
 
 
-def test_second_training_on_a_live_directory_is_refused_and_the_first_is_untouched(reference, tmp_path):
+def test_second_training_on_a_live_directory_is_refused_and_the_first_is_untouched(real_dataset, tmp_path):
     run_dir = tmp_path / "run"
-    first = start(run_dir)
+    first = start(run_dir, "--steps", "100000", "--schedule", "constant")  # long enough to outlive the attempts
     wait_for(lambda: len(steps_of(run_dir)) >= 1, first)
+    config_before = (run_dir / "config.json").read_bytes()
     for extra in ((), ("--overwrite",), ("--resume",)):
         code, out, err = finish(start(run_dir, "--json", *extra), timeout=120)
         assert code == 1, err
         assert json.loads(out)["error"]["message"].endswith(
             f"{run_dir}: in use by another training (pid {first.pid}); wait for it to finish or choose another --run-dir")
-    code, out, err = finish(first)
-    assert code == 0, err
-    assert artifacts.read_json(run_dir / "summary.json")["params_digest"] == reference["digest"]
-    assert steps_of(run_dir) == reference["steps"]
+        assert first.poll() is None
+    first.send_signal(signal.SIGTERM)
+    code, _, err = finish(first)
+    assert code == 143, err
+    assert (run_dir / "config.json").read_bytes() == config_before
+    steps = steps_of(run_dir)
+    assert steps == list(range(10, 10 * len(steps) + 1, 10))  # every log point once, in order
+    assert checkpoint.latest_meta(run_dir / "checkpoints")["step"] == steps[-1]
 
 
 def test_eval_and_report_against_a_live_training_change_nothing(reference, tmp_path):

@@ -318,3 +318,35 @@ def test_write_synthetic_files_still_cover_the_cli(tmp_path):
     write_synthetic_files(tmp_path / "fashion")  # valid IDX, foreign checksums: a clean exit 1
     result = fashionjax("data", "--data-dir", str(tmp_path / "fashion"), "--json", "--out", str(tmp_path / "o"))
     assert result.returncode == 1 and json.loads(result.stdout)["error"]["kind"] == "data"
+
+
+def tree_snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.stat().st_size) for p in root.rglob("*")}
+
+
+def test_eval_writes_nothing_into_the_run(finished_run, tmp_path, synthetic_cli, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    before = tree_snapshot(run_dir)
+    assert cli.main(["eval", str(run_dir), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 6
+    assert tree_snapshot(run_dir) == before
+    assert cli.main(["report", str(run_dir), "--out", str(tmp_path / "elsewhere.html")]) == 0
+    assert tree_snapshot(run_dir) == before and (tmp_path / "elsewhere.html").is_file()
+
+
+def test_overwrite_takes_a_run_killed_before_config_json(tmp_path):
+    owned = rundir.RunDir.claim(tmp_path / "run")
+    owned.file("samples.png").write_bytes(b"png")
+    (owned.file("checkpoints") / "tmp-step").mkdir(parents=True)
+    owned.release()  # as if killed: no config.json, no checkpoint
+    again = rundir.RunDir.claim(tmp_path / "run")
+    with pytest.raises(config.ConfigError, match="not empty"):
+        again.check_new_run(overwrite=False)
+    again.check_new_run(overwrite=True)
+    again.clear()
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [rundir.LOCK]
+    (tmp_path / "run" / "mine.txt").write_text("x")
+    with pytest.raises(config.ConfigError, match="mine.txt"):
+        again.check_new_run(overwrite=True)
+    again.release()

@@ -82,6 +82,8 @@ def train(config: TrainConfig, plan: Plan, dataset: data.Dataset, run_dir: RunDi
           hooks: train_lib.Hooks | None = None) -> train_lib.FitResult:
     """Fit from scratch or from the newest intact checkpoint, writing config.json and metrics.jsonl."""
     hooks = hooks or train_lib.Hooks()
+    if is_writer() and not resume:  # config.json first: it marks the directory as a fashionjax run
+        write_config(run_dir, config, plan, dataset, mesh)
     metrics_path = run_dir.file("metrics.jsonl") if is_writer() else None
     checkpoints = run_dir.file("checkpoints") if is_writer() else run_dir.path / "checkpoints"
     checkpointer = checkpoint.Checkpointer(checkpoints, config, keep=config.keep)
@@ -97,11 +99,11 @@ def train(config: TrainConfig, plan: Plan, dataset: data.Dataset, run_dir: RunDi
             done = " (training had finished: evaluating)" if step == plan.total_steps else ""
             hooks.on_note(f"resuming from the checkpoint at step {step}{done}")
             start = (state, train_lib.TrainStats.from_dict(meta.get("stats")))
+            if is_writer():  # the checks passed: the config now says how the run goes on
+                write_config(run_dir, config, plan, dataset, mesh)
         elif is_writer():
             plots.samples(dataset.train.images_u8, dataset.train.labels, dataset.class_names,
                           run_dir.file("samples.png"))
-        if is_writer():
-            write_config(run_dir, config, plan, dataset, mesh)
         if plan.dropped_per_epoch:
             hooks.on_note(f"each epoch drops the last {plan.dropped_per_epoch} training examples (a partial batch)")
         return train_lib.fit(config, dataset.train.images_u8, dataset.train.labels, mesh=mesh, plan=plan,

@@ -153,14 +153,18 @@ class RunDir:
         return [p.name for p in self.path.iterdir() if p.name not in OWN_FILES]
 
     def check_new_run(self, overwrite: bool) -> None:
-        """Refuse (ConfigError, before anything is touched) to start a new run where one cannot go."""
+        """Refuse (ConfigError, before anything is touched) to start a new run where one cannot go.
+
+        --overwrite takes a directory that config.json marks as a run, or whose every entry the
+        manifest lists (a run killed before it wrote config.json), and nothing else.
+        """
         entries = self.foreign_entries()
         if not entries:
             return
         if not overwrite:
             raise ConfigError(f"{self.path}: run directory is not empty (use --overwrite to replace the run "
                               "there, or --resume to continue it)")
-        if not is_run(self.path):
+        if not is_run(self.path) and not set(entries) <= set(self._written):
             raise ConfigError(f"{self.path}: not a fashionjax run directory (it holds {_listing(entries)}); "
                               "--overwrite only replaces a fashionjax run")
         others = set(entries) - set(self._written)
@@ -172,7 +176,8 @@ class RunDir:
         """Remove what the run wrote (default: everything in the manifest; check_new_run has made
         sure that is all there is) and forget it in the manifest."""
         names = list(self._written if names is None else names)
-        for name in names:
+        # config.json (the marker) goes last: a clear cut short still leaves a recognisable run
+        for name in sorted(names, key=lambda n: n == "config.json"):
             entry = self.path / name
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
