@@ -350,3 +350,12 @@ def test_overwrite_takes_a_run_killed_before_config_json(tmp_path):
     with pytest.raises(config.ConfigError, match="mine.txt"):
         again.check_new_run(overwrite=True)
     again.release()
+
+
+def test_main_runs_from_a_worker_thread(capsys):
+    """Only the main thread may set signal handlers: main() elsewhere still answers."""
+    codes = []
+    worker = threading.Thread(target=lambda: codes.append(cli.main(["train", "--lr", "0", "--json"])))
+    worker.start()
+    worker.join()
+    assert codes == [2] and json.loads(capsys.readouterr().out)["error"]["kind"] == "usage"

@@ -52,7 +52,8 @@ def resumed_config(checkpoint_dir: Path, explicit: dict, note=lambda message: No
     """
     meta = checkpoint.latest_meta(checkpoint_dir, note)
     if meta is None:
-        raise checkpoint.ResumeError(f"{checkpoint_dir}: no finalized checkpoint to resume from")
+        raise checkpoint.ResumeError(f"{checkpoint_dir}: no finalized checkpoint to resume from (the run stopped "
+                                     "before its first one: start it again with --overwrite)")
     saved = TrainConfig(**meta["config"])
     differences = [f"{name} {getattr(saved, name)!r} -> {explicit[name]!r}" for name in TRAJECTORY_FIELDS
                    if name in explicit and explicit[name] != getattr(saved, name)]

@@ -45,8 +45,11 @@ class StopRequests:
         self.note = note
         self._deferred = 0
         self._previous: dict[int, object] = {}
+        self._previous_hook = None
 
     def install(self) -> StopRequests:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # only the main thread may set handlers; the caller's own stay in charge
         for signum in STOP_SIGNALS:
             self._previous[signum] = signal.signal(signum, self._handle)
         self._previous_hook = sys.unraisablehook
@@ -57,7 +60,9 @@ class StopRequests:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
-        sys.unraisablehook = self._previous_hook
+        if self._previous_hook is not None:
+            sys.unraisablehook = self._previous_hook
+            self._previous_hook = None
 
     def _unraisable(self, unraisable) -> None:
         """A signal that landed in a garbage-collection callback or a __del__ cannot stop the command
