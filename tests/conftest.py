@@ -90,3 +90,17 @@ def real_dataset():
     if not data.SYSTEM_DIR.is_dir() and not os.environ.get("FASHIONJAX_DATA_DIR"):
         pytest.skip("no Fashion-MNIST source here: install Debian's dataset-fashion-mnist (CI does)")
     return data.load(offline=True)
+
+
+def synthetic_run(tmp_path_factory, name: str, *train_args: str, num_test: int = 300) -> Path:
+    """A finished training run on the small synthetic dataset, made through the real CLI, for
+    module-scoped fixtures that many read-only tests share."""
+    from fashionjax import cli
+
+    directory = tmp_path_factory.mktemp(name) / "run"
+    dataset = synthetic_dataset(num_train=1024, num_test=num_test)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        patch.setattr(data, "load", lambda *a, **k: dataset)
+        assert cli.main(["train", "--batch-size", "64", "--quiet", "--run-dir", str(directory), *train_args]) == 0
+    return directory

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import synthetic_dataset
+from conftest import synthetic_run
 
-from fashionjax import artifacts, cli, data
+from fashionjax import artifacts, cli
 from fashionjax.report import render
 
 CHROMIUM_CANDIDATES = ("/usr/lib/chromium/chromium", "/usr/bin/chromium", "/usr/bin/chromium-browser")
@@ -20,14 +20,7 @@ CHROMIUM_CANDIDATES = ("/usr/lib/chromium/chromium", "/usr/bin/chromium", "/usr/
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A real (small, synthetic-data) training run with every artifact and its report."""
-    directory = tmp_path_factory.mktemp("report") / "run"
-    dataset = synthetic_dataset(num_train=1024, num_test=400)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
-        patch.setattr(data, "load", lambda *a, **k: dataset)
-        assert cli.main(["train", "--steps", "20", "--batch-size", "64", "--log-every", "5",
-                         "--run-dir", str(directory), "--quiet"]) == 0
-    return directory
+    return synthetic_run(tmp_path_factory, "report", "--steps", "20", "--log-every", "5", num_test=400)
 
 
 def test_train_writes_a_self_contained_report(run_dir):

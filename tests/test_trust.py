@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import synthetic_dataset, write_synthetic_files
+from conftest import synthetic_run, write_synthetic_files
 
 from fashionjax import artifacts, cli, config, data, plan, rundir
 from fashionjax.report import render
@@ -42,14 +42,8 @@ def tiny_run(run_dir: Path, *extra: str) -> int:
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
-    """One finished tiny run (synthetic data) that read-only tests share; copy it before changing it."""
-    directory = tmp_path_factory.mktemp("finished") / "run"
-    dataset = synthetic_dataset(num_train=1024, num_test=300)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
-        patch.setattr(data, "load", lambda *a, **k: dataset)
-        assert tiny_run(directory) == 0
-    return directory
+    """One finished tiny run that read-only tests share; copy it before changing it."""
+    return synthetic_run(tmp_path_factory, "finished", "--steps", "6", "--log-every", "3")
 
 
 # ---------------------------------------------------------------- ownership

@@ -9,6 +9,7 @@ clean or delete anything in a run that may still be training.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -141,8 +142,6 @@ class Checkpointer:
 
 
 def describe_config(config: TrainConfig) -> dict:
-    import dataclasses
-
     return dataclasses.asdict(config)
 
 
