@@ -74,8 +74,8 @@ def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, target) 
     """The training itself, once the directory is ours (owned: process 0) or a view of it (target)."""
     run_dir = target.path
     checkpoints = run_dir / "checkpoints"
+    hint = resume_command(args, run_dir)
     meta = None
-    started = False
     try:
         if args.resume:
             config, meta = run_lib.resumed_config(checkpoints, explicit)
@@ -94,24 +94,22 @@ def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, target) 
             run_lib.check_length(config, plan, meta)
         if owned is not None and args.overwrite:
             owned.clear()  # only now: every flag is valid and the data is here
-        hint = resume_command(args, run_dir)
         progress = console.Progress(out, plan.total_steps)
         with progress:
             hooks = train_lib.Hooks(on_log=progress.update, stop_signal=stops.pending, on_note=out.note)
-            started = True
             with stops.deferred():
                 result = run_lib.train(config, plan, dataset, target, mesh, resume=args.resume, hooks=hooks)
         stops.raise_pending(plan.total_steps)  # a signal during the last chunk: its checkpoint is down
         summary = run_lib.finish(config, result, dataset, target, mesh)
+        if owned is not None:
+            out.note(f"report: {render.render(run_dir, target=owned.file('report.html'))}")
     except Interrupted as stop:
-        _report_interrupt(out, stop, started, owned, hint if started else None)
+        _report_interrupt(out, stop, owned, hint)
         raise
     except BaseException:
         if owned is not None and not args.resume and not _has_checkpoint(checkpoints):
             owned.discard_unresumable()
         raise
-    if owned is not None:
-        out.note(f"report: {render.render(run_dir, target=owned.file('report.html'))}")
     console.show_summary(out, summary, run_dir)
     out.document(dict(summary, run_dir=str(run_dir)))
     return 0
@@ -121,10 +119,10 @@ def _has_checkpoint(checkpoints: Path) -> bool:
     return checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
 
 
-def _report_interrupt(out, stop: Interrupted, started: bool, owned, hint: str | None) -> None:
+def _report_interrupt(out, stop: Interrupted, owned, hint: str) -> None:
     """Say what an interrupt left behind, and how to go on from it."""
     checkpoints = owned.path / "checkpoints" if owned else None
-    if checkpoints is not None and started and _has_checkpoint(checkpoints):
+    if checkpoints is not None and _has_checkpoint(checkpoints):
         stop.outcome = f"checkpoint saved, resume with: {hint}"
         out.facts.update(run_dir=str(owned.path), step=stop.step, resume_command=hint)
     elif owned is not None:
