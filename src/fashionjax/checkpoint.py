@@ -18,6 +18,7 @@ import jax
 import orbax.checkpoint as ocp
 
 import fashionjax
+from fashionjax import config as config_lib
 from fashionjax import plan as plan_lib
 from fashionjax.config import TRAJECTORY_FIELDS, TrainConfig
 
@@ -115,7 +116,7 @@ class Checkpointer:
     def save(self, step: int, state, plan: plan_lib.Plan, stats: dict) -> None:
         meta = {
             "step": step,
-            "config": describe_config(self.config),
+            "config": dataclasses.asdict(self.config),
             "plan": plan.to_dict(),
             "stats": stats,
             "fashionjax_version": fashionjax.__version__,
@@ -141,16 +142,9 @@ class Checkpointer:
         self.manager.close()
 
 
-def describe_config(config: TrainConfig) -> dict:
-    return dataclasses.asdict(config)
-
-
 def check_resume(meta: dict, config: TrainConfig, plan: plan_lib.Plan) -> None:
     """Refuse a resume that would not continue the saved run's trajectory, naming every difference."""
-    saved = meta["config"]
-    wanted = describe_config(config)
-    differences = [f"{name} {saved.get(name)!r} -> {wanted[name]!r}" for name in TRAJECTORY_FIELDS
-                   if saved.get(name) != wanted[name]]
+    differences = config_lib.differences(meta["config"], dataclasses.asdict(config), TRAJECTORY_FIELDS)
     if "plan" in meta:  # checkpoints of fashionjax 0.1 have none
         differences += plan_lib.differences(meta["plan"], plan)
     if differences:
@@ -160,3 +154,16 @@ def check_resume(meta: dict, config: TrainConfig, plan: plan_lib.Plan) -> None:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def check_length(config: TrainConfig, plan: plan_lib.Plan, meta: dict) -> None:
+    """A run is not shortened past its checkpoint, and a cosine schedule laid out for N steps is not
+    silently re-stretched: refuse another length."""
+    if plan.total_steps < meta["step"]:
+        raise ResumeError(f"--steps {plan.total_steps} is below the checkpoint's step {meta['step']}: "
+                          "a run cannot be shortened past where it is")
+    saved = meta.get("plan")
+    if saved and config.schedule == "cosine" and plan.total_steps != saved["schedule_steps"]:
+        raise ResumeError(
+            f"the cosine schedule of this run is laid out for {saved['schedule_steps']} steps; running "
+            f"{plan.total_steps} would change its learning rates (only constant-schedule runs can be extended)")

@@ -98,3 +98,9 @@ def codelab() -> TrainConfig:
 # length is checked through the plan; cadences (log_every, checkpoint_every, keep) may change.
 TRAJECTORY_FIELDS = ("model", "batch_size", "optimizer", "lr", "schedule", "warmup_steps",
                      "weight_decay", "momentum", "clip_norm", "dtype", "augment", "seed")
+
+
+def differences(saved: dict, wanted: dict, names) -> list[str]:
+    """'name saved -> wanted' for each of `names` whose values differ (what a refused resume lists)."""
+    return [f"{name} {saved.get(name)!r} -> {wanted.get(name)!r}" for name in names
+            if saved.get(name) != wanted.get(name)]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from fashionjax import config as config_lib
 from fashionjax.config import ConfigError, TrainConfig
 
 # The purposes the root key is split into, in order: one split, independent streams.
@@ -88,5 +89,4 @@ TRAJECTORY = ("batch_size", "num_examples", "steps_per_epoch", "schedule_steps",
 
 def differences(saved: dict, plan: Plan) -> list[str]:
     """'name saved -> new' for every trajectory quantity that differs."""
-    new = plan.to_dict()
-    return [f"{name} {saved.get(name)!r} -> {new[name]!r}" for name in TRAJECTORY if saved.get(name) != new[name]]
+    return config_lib.differences(saved, plan.to_dict(), TRAJECTORY)

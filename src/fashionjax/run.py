@@ -13,6 +13,7 @@ import numpy as np
 
 import fashionjax
 from fashionjax import artifacts, checkpoint, data, environment, evaluate, models, rundir
+from fashionjax import config as config_lib
 from fashionjax import train as train_lib
 from fashionjax.config import TRAJECTORY_FIELDS, TrainConfig
 from fashionjax.plan import Plan
@@ -54,29 +55,15 @@ def resumed_config(checkpoint_dir: Path, explicit: dict, note=lambda message: No
     if meta is None:
         raise checkpoint.ResumeError(f"{checkpoint_dir}: no finalized checkpoint to resume from (the run stopped "
                                      "before its first one: start it again with --overwrite)")
-    saved = TrainConfig(**meta["config"])
-    differences = [f"{name} {getattr(saved, name)!r} -> {explicit[name]!r}" for name in TRAJECTORY_FIELDS
-                   if name in explicit and explicit[name] != getattr(saved, name)]
+    differences = config_lib.differences(meta["config"], {**meta["config"], **explicit}, TRAJECTORY_FIELDS)
     if differences:
         raise checkpoint.ResumeError("cannot resume with a different config: " + ", ".join(differences))
+    saved = TrainConfig(**meta["config"])
     if "steps" in explicit:
         explicit = dict(explicit, epochs=None)
     elif "epochs" in explicit:
         explicit = dict(explicit, steps=None)
     return dataclasses.replace(saved, **explicit), meta
-
-
-def check_length(config: TrainConfig, plan: Plan, meta: dict) -> None:
-    """A run is not shortened past its checkpoint, and a cosine schedule laid out for N steps is not
-    silently re-stretched: refuse another length."""
-    if plan.total_steps < meta["step"]:
-        raise checkpoint.ResumeError(f"--steps {plan.total_steps} is below the checkpoint's step {meta['step']}: "
-                                     "a run cannot be shortened past where it is")
-    saved = meta.get("plan")
-    if saved and config.schedule == "cosine" and plan.total_steps != saved["schedule_steps"]:
-        raise checkpoint.ResumeError(
-            f"the cosine schedule of this run is laid out for {saved['schedule_steps']} steps; running "
-            f"{plan.total_steps} would change its learning rates (only constant-schedule runs can be extended)")
 
 
 def train(config: TrainConfig, plan: Plan, dataset: data.Dataset, run_dir: RunDir, mesh, resume: bool = False,
@@ -99,7 +86,7 @@ def train(config: TrainConfig, plan: Plan, dataset: data.Dataset, run_dir: RunDi
                 artifacts.truncate_jsonl(metrics_path, lambda record: record["step"] <= step)
             done = " (training had finished: evaluating)" if step == plan.total_steps else ""
             hooks.on_note(f"resuming from the checkpoint at step {step}{done}")
-            start = (state, train_lib.TrainStats.from_dict(meta.get("stats")))
+            start = (state, train_lib.TrainStats(**meta.get("stats", {})))
             if is_writer():  # the checks passed: the config now says how the run goes on
                 write_config(run_dir, config, plan, dataset, mesh)
         elif is_writer():

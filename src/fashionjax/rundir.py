@@ -81,6 +81,12 @@ def is_live(run_dir: str | Path) -> str | None:
     return None
 
 
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether the run has a finalized checkpoint (orbax names those by their step alone)."""
+    checkpoints = run_dir / "checkpoints"
+    return checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
+
+
 def is_run(run_dir: Path) -> bool:
     """Whether config.json says fashionjax made this directory."""
     try:
@@ -205,8 +211,7 @@ class RunDir:
         Removes what this command wrote when no checkpoint exists yet (nothing there could be
         resumed), and the directory itself when this command created it and nothing else is in it.
         """
-        checkpoints = self.path / "checkpoints"
-        if checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir()):
+        if has_checkpoint(self.path):
             return
         self.clear(self._this_command)
         if self.created and not self.foreign_entries():

@@ -200,26 +200,16 @@ class TrainStats:
     steady_seconds: float = 0.0
     wall_seconds: float = 0.0  # fit() from start to end, compile and checkpoints included
     final_train_loss: float | None = None
-    chunks: int = 0  # chunks run in this process lifetime; not carried over
 
-    def add_chunk(self, examples: int, seconds: float, last_loss: float) -> None:
-        self.chunks += 1
+    def add_chunk(self, examples: int, seconds: float, last_loss: float, warm_up: bool) -> None:
         self.train_seconds += seconds
         self.final_train_loss = last_loss
-        if self.chunks > 1:
+        if not warm_up:
             self.steady_examples += examples
             self.steady_seconds += seconds
 
     def steady_examples_per_sec(self) -> float | None:
         return self.steady_examples / self.steady_seconds if self.steady_seconds > 0 else None
-
-    def to_dict(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "chunks"}
-
-    @classmethod
-    def from_dict(cls, saved: dict | None) -> TrainStats:
-        known = {f.name for f in dataclasses.fields(cls)} - {"chunks"}
-        return cls(**{k: v for k, v in (saved or {}).items() if k in known})
 
 
 @dataclasses.dataclass
@@ -252,8 +242,9 @@ def fit(
     optimizer = make_optimizer(config, plan.schedule_steps)
     train_step = make_train_step(model, optimizer, compute_dtype(config.dtype))
     state, stats = start if start is not None else (init_state(model, optimizer, config.seed), TrainStats())
-    stats = dataclasses.replace(stats, chunks=0)
+    stats = dataclasses.replace(stats)  # a copy: the caller's figures stay as they were
     wall_before = stats.wall_seconds
+    chunks_run = 0  # in this process lifetime: its first chunk is the warm-up
 
     state = distributed.replicate_tree(state, mesh)
     key_data = distributed.put_replicated(plan.key_data("data"), mesh)
@@ -278,9 +269,8 @@ def fit(
                 tic = time.perf_counter()
                 compiled[num_steps] = compile_chunk(train_step, num_steps, plan, mesh, args, augment_key)
                 stats.compile_seconds += time.perf_counter() - tic
-            signum = hooks.stop_signal()
-            if signum is not None and stats.chunks == 0:  # asked during start-up or compile: nothing to save yet
-                raise Interrupted(signum, step)
+            if chunks_run == 0 and hooks.stop_signal() is not None:  # during start-up or compile: nothing to save
+                raise Interrupted(hooks.stop_signal(), step)
             tic = time.perf_counter()
             state, chunk_metrics = compiled[num_steps](*args)
             jax.block_until_ready((state, chunk_metrics))  # fence: the clock stops when the work is done
@@ -300,12 +290,13 @@ def fit(
             artifacts.append_jsonl(metrics_path, [record])  # kept even when this chunk diverged
         _check_finite(host_metrics, step)
         step = end
-        stats.add_chunk(num_steps * plan.batch_size, seconds, float(host_metrics["loss"][-1]))
+        stats.add_chunk(num_steps * plan.batch_size, seconds, float(host_metrics["loss"][-1]), warm_up=chunks_run == 0)
+        chunks_run += 1
         hooks.on_log(record)
         signum = hooks.stop_signal()
         crossed = step // plan.checkpoint_every > (step - num_steps) // plan.checkpoint_every
         if checkpointer is not None and (signum is not None or step == plan.total_steps or crossed):
-            checkpointer.save(step, state, plan, stats.to_dict())
+            checkpointer.save(step, state, plan, dataclasses.asdict(stats))
         if signum is not None and step < plan.total_steps:
             raise Interrupted(signum, step)
 

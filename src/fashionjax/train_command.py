@@ -13,8 +13,8 @@ import dataclasses
 import shlex
 from pathlib import Path
 
+from fashionjax import checkpoint, console, data, distributed, environment, rundir
 from fashionjax import config as config_lib
-from fashionjax import console, data, distributed, environment, rundir
 from fashionjax import plan as plan_lib
 from fashionjax import run as run_lib
 from fashionjax import train as train_lib
@@ -91,7 +91,7 @@ def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, target) 
         plan = plan_lib.resolve(config, len(dataset.train.labels), int(mesh.devices.size),
                                 schedule_steps=saved_plan["schedule_steps"] if saved_plan else None)
         if meta is not None:
-            run_lib.check_length(config, plan, meta)
+            checkpoint.check_length(config, plan, meta)
         if owned is not None and args.overwrite:
             owned.clear()  # only now: every flag is valid and the data is here
         progress = console.Progress(out, plan.total_steps)
@@ -107,7 +107,7 @@ def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, target) 
         _report_interrupt(out, stop, owned, hint)
         raise
     except BaseException:
-        if owned is not None and not args.resume and not _has_checkpoint(checkpoints):
+        if owned is not None and not args.resume and not rundir.has_checkpoint(run_dir):
             owned.discard_unresumable()
         raise
     console.show_summary(out, summary, run_dir)
@@ -115,14 +115,9 @@ def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, target) 
     return 0
 
 
-def _has_checkpoint(checkpoints: Path) -> bool:
-    return checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())
-
-
 def _report_interrupt(out, stop: Interrupted, owned, hint: str) -> None:
     """Say what an interrupt left behind, and how to go on from it."""
-    checkpoints = owned.path / "checkpoints" if owned else None
-    if checkpoints is not None and _has_checkpoint(checkpoints):
+    if owned is not None and rundir.has_checkpoint(owned.path):
         stop.outcome = f"checkpoint saved, resume with: {hint}"
         out.facts.update(run_dir=str(owned.path), step=stop.step, resume_command=hint)
     elif owned is not None:
