@@ -129,7 +129,7 @@ class Workload:
         model = models.get(self.config.model)
         optimizer = train.make_optimizer(self.config, 10**6)
         state = train.init_state(model, optimizer, self.config.seed)
-        step = train.make_train_step(model, optimizer, train.compute_dtype(self.config.dtype))
+        step = train.make_train_step(model, optimizer, train.compute_dtype(self.config.dtype), self.config.label_smoothing)
         return distributed.replicate_tree(state, self.mesh), step
 
     def plan(self, log_every: int) -> plan_lib.Plan:

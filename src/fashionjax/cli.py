@@ -136,6 +136,20 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _data_flags(bench_cmd)
     _common(bench_cmd)
 
+    speedrun_model = model if "--model" in " ".join(argv or []) else "speedrun"
+    speedrun_cmd = sub.add_parser(
+        "speedrun", help="the time-to-accuracy record: one recipe over N seeds, each reported",
+        epilog="Each seed trains in OUT/seed-S like `fashionjax train`; running the same command again keeps "
+               "the seeds that finished and resumes the interrupted ones.")
+    speedrun_cmd.add_argument("--seeds", type=int, default=5, help="how many seeds, from --seed on (default 5)")
+    speedrun_cmd.add_argument("--target", type=float, default=0.94,
+                              help="test accuracy a seed must reach (default 0.94)")
+    speedrun_cmd.add_argument("--out", help="output directory (default runs/speedrun-<UTC time>)")
+    _config_flags(speedrun_cmd, config_lib.default(speedrun_model))
+    speedrun_cmd.add_argument("--devices", type=_devices, default="all", help="how many local devices to use, or 'all'")
+    _data_flags(speedrun_cmd)
+    _common(speedrun_cmd)
+
     report_cmd = sub.add_parser("report", help="write report.html from a run's saved files")
     report_cmd.add_argument("run_dir", help="a run directory written by `fashionjax train`")
     report_cmd.add_argument("--bench", help="a bench.json to include (default: RUN_DIR/bench.json if present)")
@@ -201,9 +215,34 @@ def cmd_data(args, out) -> int:
 def cmd_train(args, out, stops: StopRequests) -> int:
     from fashionjax import train_command
 
-    explicit = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-                if "help" in f.metadata and getattr(args, f.name) is not None}
-    return train_command.run(args, explicit, out, stops)
+    from fashionjax import console
+
+    summary = train_command.run(args, _explicit_config(args), out, stops)
+    console.show_summary(out, summary, Path(summary["run_dir"]))
+    out.document(summary)
+    return EXIT_OK
+
+
+def _explicit_config(args) -> dict:
+    """The TrainConfig fields given on the command line."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+            if "help" in f.metadata and getattr(args, f.name) is not None}
+
+
+def cmd_speedrun(args, out, stops: StopRequests) -> int:
+    from fashionjax import config as config_lib
+    from fashionjax import console, speedrun, train_command
+
+    explicit = {"model": "speedrun", **_explicit_config(args)}
+    config = config_lib.validate(train_command.fresh_config(explicit))
+    if args.seeds < 1 or config.seed + args.seeds - 1 > config_lib.MAX_SEED:
+        raise ConfigError(f"--seeds must be at least 1 and end at seed {config_lib.MAX_SEED} or below, got {args.seeds}")
+    if not 0 < args.target <= 1:
+        raise ConfigError(f"--target is a fraction of the test set in (0, 1], got {args.target}")
+    document = speedrun.run(args, explicit, out, stops, train_command.run)
+    console.show_speedrun(out, document)
+    out.document(document)
+    return EXIT_OK
 
 
 def cmd_report(args, out) -> int:
@@ -287,7 +326,8 @@ def cmd_bench(args, out) -> int:
 
 
 COMMANDS = {"doctor": cmd_doctor, "data": cmd_data, "train": cmd_train, "eval": cmd_eval,
-            "bench": cmd_bench, "report": cmd_report}
+            "bench": cmd_bench, "report": cmd_report, "speedrun": cmd_speedrun}
+NEEDS_SIGNALS = (cmd_train, cmd_speedrun)  # commands that defer signals to a chunk end
 
 # What kind of failure each exception is, for `{"error": {"kind": ...}}`; checked in order.
 ERROR_KINDS = (("ConfigError", "usage"), ("UsageError", "usage"), ("RunDirBusy", "busy"),
@@ -333,7 +373,7 @@ def _run(argv: list[str], out, stops: StopRequests) -> int:
         args = build_parser(argv).parse_args(argv)
         command = f"fashionjax {args.command}"
         handler = COMMANDS[args.command]
-        return handler(args, out, stops) if handler is cmd_train else handler(args, out)
+        return handler(args, out, stops) if handler in NEEDS_SIGNALS else handler(args, out)
     except SystemExit as done:  # --help and --version: argparse printed them
         return int(done.code or 0)
     except Exception as err:

@@ -152,7 +152,8 @@ def show_summary(out: Output, summary: dict, run_dir: Path) -> None:
     rows = [
         ("model", f"{summary['model']} ({summary['params']:,} params)"),
         ("steps / epochs", f"{summary['steps']} / {summary['epochs']}"),
-        ("test accuracy", f"{100 * summary['test_accuracy']:.2f}% of {summary['test_examples']:,}"),
+        ("test accuracy", f"{100 * summary['test_accuracy']:.2f}% of {summary['test_examples']:,}" + (
+            f" (flip TTA; {100 * summary['test_accuracy_no_tta']:.2f}% without)" if summary["tta"] else "")),
         ("test loss", f"{summary['test_loss']:.4f}"),
         ("final train loss", f"{summary['final_train_loss']:.4f}"),
         ("examples/sec (steady)", "n/a (one chunk)" if rate is None else f"{rate:,.0f}"),
@@ -228,3 +229,23 @@ def show_bench(out: Output, document: dict) -> None:
                  f"{s['devices']} ({s['per_device_n']:,.0f} per device, efficiency {100 * s['efficiency']:.1f}%)")
     for note in document["notes"]:
         out.show(f"note: {note}")
+
+
+def show_speedrun(out: Output, document: dict) -> None:
+    tta = document["tta"]
+    rows = [(row["seed"], f"{100 * row['test_accuracy']:.2f}%",
+             *([f"{100 * row['test_accuracy_no_tta']:.2f}%"] if tta else []),
+             f"{row['train_seconds']:.1f}", f"{row['compile_seconds']:.1f}", "yes" if row["reached_target"] else "no")
+            for row in document["per_seed"]]
+    columns = ["seed", "test accuracy", *(["without TTA"] if tta else []), "train s", "compile s", "reached"]
+    out.show(table(f"speedrun: {document['model']}", columns, rows))
+    median = document["median_seconds_to_target"]
+    target = f"{100 * document['target']:.2f}%"
+    out.show(f"mean {100 * document['test_accuracy_mean']:.2f}% ± {100 * document['test_accuracy_std']:.2f} over "
+             f"seeds {', '.join(map(str, document['seeds']))}" + (
+                 f" (flip TTA; {100 * document['test_accuracy_no_tta_mean']:.2f}% ± "
+                 f"{100 * document['test_accuracy_no_tta_std']:.2f} without)" if tta else ""))
+    out.show(f"{100 * document['reached_fraction']:.0f}% of seeds reached {target}; median training time to it: "
+             + ("not reached by half the seeds" if median is None else f"{median:.1f} s")
+             + f"; {document['train_flops_per_run'] / 1e12:.2f} TFLOP of training per run; {document['cpu_model']}")
+    out.show(f"speedrun.json and page: {document['page']}")

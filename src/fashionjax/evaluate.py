@@ -15,18 +15,25 @@ from fashionjax import distributed, models
 from fashionjax.train import compute_dtype, scale_images
 
 
-def make_predict(model: models.Model, dtype, mesh):
-    """predict(params, batches_u8 (num_batches, B, 784), labels (num_batches, B)) -> per-example outputs."""
+def make_predict(model: models.Model, dtype, mesh, tta: bool = False):
+    """predict(params, batches_u8 (num_batches, B, 784), labels (num_batches, B)) -> per-example outputs.
+
+    With tta each image is scored as the mean of its own logits and its mirror image's; the
+    prediction from the image alone is returned beside it, so both accuracies can be reported.
+    """
     batch_sharding = distributed.batch_sharded(mesh)
 
     def predict(params, batches_u8, batch_labels):
         def one(_, batch):
             images_u8, labels = batch
             images_u8 = jax.lax.with_sharding_constraint(images_u8, batch_sharding)
-            logits = model.apply(params, scale_images(images_u8), dtype)  # (B, 10) float32
+            images = scale_images(images_u8).reshape(-1, models.IMAGE_SIDE, models.IMAGE_SIDE)
+            plain = model.apply(params, images, dtype)  # (B, 10) float32
+            logits = (plain + model.apply(params, images[:, :, ::-1], dtype)) / 2 if tta else plain
             losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
             probs = jax.nn.softmax(logits)
-            return None, (jnp.argmax(logits, -1).astype(jnp.int32), jnp.max(probs, -1), losses)
+            return None, (jnp.argmax(logits, -1).astype(jnp.int32), jnp.max(probs, -1), losses,
+                          jnp.argmax(plain, -1).astype(jnp.int32))
 
         _, outputs = jax.lax.scan(one, None, (batches_u8, batch_labels))
         return jax.tree_util.tree_map(lambda x: x.reshape(-1), outputs)
@@ -47,13 +54,16 @@ def pad_to_batches(images_u8: np.ndarray, labels: np.ndarray, batch_size: int):
 
 
 def run(params, model_name: str, images_u8: np.ndarray, labels: np.ndarray, dtype: str = "float32",
-        batch_size: int = 1000, mesh=None) -> dict:
-    """Score every example once; returns the eval.json document plus per-example arrays."""
+        batch_size: int = 1000, mesh=None, tta: bool = False) -> dict:
+    """Score every example once; returns the eval.json document plus per-example arrays.
+
+    With tta, "accuracy" is the test-time-augmented figure and "accuracy_no_tta" the plain one.
+    """
     mesh = mesh if mesh is not None else distributed.make_mesh("all")
     batch_size = -(-batch_size // mesh.devices.size) * mesh.devices.size  # whole shards per device
     batches, batch_labels, num_real = pad_to_batches(images_u8, labels, batch_size)
     replicated = distributed.replicated(mesh)
-    predict = jax.jit(make_predict(models.get(model_name), compute_dtype(dtype), mesh),
+    predict = jax.jit(make_predict(models.get(model_name), compute_dtype(dtype), mesh, tta),
                       in_shardings=replicated, out_shardings=replicated)
     args = (distributed.replicate_tree(params, mesh), distributed.put_replicated(batches, mesh),
             distributed.put_replicated(batch_labels, mesh))
@@ -61,13 +71,15 @@ def run(params, model_name: str, images_u8: np.ndarray, labels: np.ndarray, dtyp
     compiled = predict.lower(*args).compile()
     compile_seconds = time.perf_counter() - tic
     tic = time.perf_counter()
-    predictions, confidence, losses = distributed.fetch(compiled(*args))  # deliberate sync: results
+    outputs = distributed.fetch(compiled(*args))  # deliberate sync: results
     seconds = time.perf_counter() - tic
     # The mask: padded rows sit past num_real and are dropped here, so each image counts once.
-    predictions, confidence, losses = predictions[:num_real], confidence[:num_real], losses[:num_real]
+    predictions, confidence, losses, plain = (output[:num_real] for output in outputs)
     report = metrics(labels, predictions, losses)
     report.update(compile_seconds=compile_seconds, eval_seconds=seconds, eval_batch_size=batch_size,
-                  padded_examples=int(batches.shape[0] * batch_size - num_real))
+                  padded_examples=int(batches.shape[0] * batch_size - num_real), tta=tta)
+    if tta:
+        report["accuracy_no_tta"] = float(np.mean(plain == labels))
     return {"report": report, "predictions": predictions, "confidence": confidence}
 
 

@@ -103,7 +103,7 @@ def train(config: TrainConfig, plan: Plan, dataset: data.Dataset, run_dir: RunDi
 def finish(config: TrainConfig, result: train_lib.FitResult, dataset: data.Dataset, run_dir: RunDir, mesh) -> dict:
     """Evaluate on the whole test set and write every artifact; returns summary.json."""
     scored = evaluate.run(result.state.params, config.model, dataset.test.images_u8, dataset.test.labels,
-                          config.dtype, config.eval_batch_size, mesh)
+                          config.dtype, config.eval_batch_size, mesh, config.tta)
     summary = make_summary(config, result, scored["report"], mesh)
     if is_writer():
         write_eval_artifacts(run_dir, scored, dataset)
@@ -126,7 +126,9 @@ def make_summary(config: TrainConfig, result: train_lib.FitResult, report: dict,
         "lr": config.lr,
         "schedule": config.schedule,
         "seed": config.seed,
-        "test_accuracy": report["accuracy"],
+        "test_accuracy": report["accuracy"],  # with test-time augmentation when config.tta
+        "test_accuracy_no_tta": report.get("accuracy_no_tta", report["accuracy"]),
+        "tta": config.tta,
         "test_loss": report["loss"],
         "test_examples": report["examples"],
         "train_examples_per_sec": stats.steady_examples_per_sec(),
@@ -172,7 +174,7 @@ def rescore(run_dir: Path, dataset: data.Dataset, mesh, note=lambda message: Non
     template = train_lib.init_state(model, train_lib.make_optimizer(config, 1), config.seed)
     step, state, _ = checkpoint.read_latest(run_dir / "checkpoints", template, note)
     scored = evaluate.run(state.params, config.model, dataset.test.images_u8,
-                          dataset.test.labels, config.dtype, config.eval_batch_size, mesh)
+                          dataset.test.labels, config.dtype, config.eval_batch_size, mesh, config.tta)
     scored["report"]["step"] = step
     scored["report"]["params_digest"] = train_lib.params_digest(state.params)
     return scored

@@ -24,7 +24,7 @@ from fashionjax.report import render
 from fashionjax.signals import Interrupted, StopRequests
 
 
-def _fresh_config(explicit: dict) -> TrainConfig:
+def fresh_config(explicit: dict) -> TrainConfig:
     if "steps" in explicit:
         explicit = dict(explicit, epochs=None)
     return dataclasses.replace(config_lib.default(explicit.get("model", "mlp")), **explicit)
@@ -40,14 +40,15 @@ def resume_command(args, run_dir: Path) -> str:
     return shlex.join(words)
 
 
-def run(args, explicit: dict, out, stops: StopRequests) -> int:
-    """Train as the flags say; `explicit` holds the TrainConfig fields the user typed."""
+def run(args, explicit: dict, out, stops: StopRequests) -> dict:
+    """Train as the flags say and return the summary (with run_dir); `explicit` holds the TrainConfig
+    fields the user typed."""
     if args.resume and not args.run_dir:
         raise ConfigError("--resume needs --run-dir")
     if args.resume and args.overwrite:
         raise ConfigError("--resume and --overwrite contradict each other")
     if not args.resume:
-        config_lib.validate(_fresh_config(explicit))  # flag faults first: before any file is touched
+        config_lib.validate(fresh_config(explicit))  # flag faults first: before any file is touched
     multi = args.coordinator or args.num_processes or args.auto_distributed
     if multi and not args.run_dir:
         raise ConfigError("--run-dir is required with several processes (all of them write checkpoints there)")
@@ -70,7 +71,7 @@ def run(args, explicit: dict, out, stops: StopRequests) -> int:
             owned.release()
 
 
-def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, target) -> int:
+def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, target) -> dict:
     """The training itself, once the directory is ours (owned: process 0) or a view of it (target)."""
     run_dir = target.path
     checkpoints = run_dir / "checkpoints"
@@ -81,7 +82,7 @@ def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, target) 
             config, meta = run_lib.resumed_config(checkpoints, explicit)
             config_lib.validate(config)
         else:
-            config = config_lib.validate(_fresh_config(explicit))
+            config = config_lib.validate(fresh_config(explicit))
             if owned is not None:
                 owned.check_new_run(args.overwrite)
         environment.enable_compile_cache()
@@ -110,9 +111,7 @@ def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, target) 
         if owned is not None and not args.resume and not rundir.has_checkpoint(run_dir):
             owned.discard_unresumable()
         raise
-    console.show_summary(out, summary, run_dir)
-    out.document(dict(summary, run_dir=str(run_dir)))
-    return 0
+    return dict(summary, run_dir=str(run_dir))
 
 
 def _report_interrupt(out, stop: Interrupted, owned, hint: str) -> None:

@@ -114,3 +114,24 @@ def bars(labels: Sequence[str], values: Sequence[float], title: str, unit: str, 
     ax.grid(True, axis="x", alpha=0.25)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def strip(values: Sequence[float], names: Sequence, target: float | None, title: str, path) -> Path:
+    """Each value as a dot (labelled with its name), their mean as a bar, and the target as a line."""
+    fig, ax = plt.subplots(figsize=(7, 2.4))
+    percent = 100 * np.asarray(values, dtype=np.float64)
+    jitter = np.linspace(-0.15, 0.15, len(percent)) if len(percent) > 1 else np.zeros(1)
+    ax.scatter(percent, jitter, color=ACCURACY_COLOR, zorder=3)
+    for x, y, name in zip(percent, jitter, names, strict=True):
+        ax.annotate(str(name), (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    ax.axvline(percent.mean(), color=LOSS_COLOR, label=f"mean {percent.mean():.2f}%")
+    if target is not None:
+        ax.axvline(100 * target, color=WRONG, linestyle="--", label=f"target {100 * target:.2f}%")
+    ax.set_yticks([])
+    ax.set_ylim(-0.5, 0.5)
+    ax.set_xlabel("test accuracy (%)")
+    ax.set_title(title)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(True, axis="x", alpha=0.25)
+    fig.tight_layout()
+    return _save(fig, path)

@@ -121,15 +121,30 @@ def _num(value, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
 
+def _template(name: str):
+    environment = _environment()
+    environment.filters["pct"] = _pct
+    environment.filters["num"] = _num
+    return environment.get_template(name)
+
+
 def render(run_dir: str | Path, bench: str | Path | None = None, target: Path | None = None) -> Path:
     """Write the report (default RUN_DIR/report.html) atomically and return its path.
 
     Reads the run's files only: it may run beside a training that is still writing them.
     """
-    environment = _environment()
-    environment.filters["pct"] = _pct
-    environment.filters["num"] = _num
-    html = environment.get_template("report.html.j2").render(**context(run_dir, bench))
+    html = _template("report.html.j2").render(**context(run_dir, bench))
     target = Path(target) if target else Path(run_dir) / "report.html"
+    artifacts.atomic_write_text(target, html)
+    return target
+
+
+def render_speedrun(out_dir: str | Path) -> Path:
+    """Write OUT_DIR/speedrun.html from speedrun.json and its chart; returns its path."""
+    out_dir = Path(out_dir)
+    document = artifacts.read_json(out_dir / "speedrun.json")
+    html = _template("speedrun.html.j2").render(**document, settings=settings(document["config"]),
+                                                 chart=_data_uri(out_dir / "speedrun.png"))
+    target = out_dir / "speedrun.html"
     artifacts.atomic_write_text(target, html)
     return target

@@ -1,0 +1,58 @@
+"""Pure layer functions shared by the models: convolutions as matmuls, pooling, batch norm.
+
+XLA's CPU convolutions (and their gradients) run far below its matmul speed at these small
+shapes, so every convolution here is one matmul over shifted views (im2col); shifted slices cost
+only data movement, and their gradients are pads and slices.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def conv3x3_same(x, w):
+    """A 3x3 'SAME' convolution: (B, H, W, C) x (3, 3, C, K) -> (B, H, W, K), one matmul."""
+    batch, height, width, channels = x.shape
+    padded = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+    patches = jnp.concatenate(
+        [padded[:, i:i + height, j:j + width, :] for i in range(3) for j in range(3)], axis=-1)  # (B, H, W, 9C)
+    return patches @ w.reshape(9 * channels, -1)  # HWIO flattens in the same (i, j, c) order
+
+
+def max_pool2x2(x):
+    """2x2 max pooling, stride 2: (B, H, W, C) -> (B, ceil(H/2), ceil(W/2), C); odd sides keep their edge."""
+    batch, height, width, channels = x.shape
+    if height % 2 or width % 2:
+        x = jnp.pad(x, ((0, 0), (0, height % 2), (0, width % 2), (0, 0)), constant_values=-jnp.inf)
+        height, width = height + height % 2, width + width % 2
+    return x.reshape(batch, height // 2, 2, width // 2, 2, channels).max(axis=(2, 4))
+
+
+def space_to_depth(images, block: int = 2):
+    """(B, H, W) -> (B, H/block, W/block, block*block): each block of pixels becomes one position's channels.
+
+    A stem that starts at 14x14 instead of 28x28 does a quarter of the elementwise work per layer.
+    """
+    batch, height, width = images.shape
+    x = images.reshape(batch, height // block, block, width // block, block)
+    return x.transpose(0, 1, 3, 2, 4).reshape(batch, height // block, width // block, block * block)
+
+
+def batch_norm(x, bias, running: dict, train: bool, momentum: float, eps: float = 1e-5):
+    """Batch norm with a fixed unit scale and a trainable bias (as airbench does); returns (y, running').
+
+    In training the batch's own statistics normalize and are folded into the running averages
+    (running' = momentum * running + (1 - momentum) * batch); in evaluation the running averages
+    normalize and are returned unchanged. Statistics are float32 whatever the compute dtype.
+    """
+    x32 = x.astype(jnp.float32)
+    if train:
+        axes = tuple(range(x.ndim - 1))
+        mean, var = x32.mean(axes), x32.var(axes)
+        running = {"mean": momentum * running["mean"] + (1 - momentum) * jax.lax.stop_gradient(mean),
+                   "var": momentum * running["var"] + (1 - momentum) * jax.lax.stop_gradient(var)}
+    else:
+        mean, var = running["mean"], running["var"]
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps) + bias
+    return y.astype(x.dtype), running

@@ -1,0 +1,132 @@
+"""The speedrun model's techniques by hand, its determinism and resume, and the speedrun command."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fashionjax import cli, config, evaluate, layers, models, speedrun, train
+
+TINY = config.TrainConfig(model="speedrun", steps=8, batch_size=64, log_every=4, warmup_steps=2,
+                          augment=True, max_shift=0, label_smoothing=0.1)
+
+
+def test_batch_norm_by_hand():
+    x = jnp.array([1.0, 3.0, 5.0, 7.0]).reshape(4, 1)  # one channel: mean 4, variance 5
+    running = {"mean": jnp.array([2.0]), "var": jnp.array([1.0])}
+    y, updated = layers.batch_norm(x, jnp.array([0.5]), running, train=True, momentum=0.9, eps=0.0)
+    np.testing.assert_allclose(np.asarray(y[:, 0]), (np.array([1, 3, 5, 7]) - 4) / math.sqrt(5) + 0.5, rtol=1e-6)
+    np.testing.assert_allclose(float(updated["mean"][0]), 0.9 * 2 + 0.1 * 4, rtol=1e-6)
+    np.testing.assert_allclose(float(updated["var"][0]), 0.9 * 1 + 0.1 * 5, rtol=1e-6)
+    y_eval, same = layers.batch_norm(x, jnp.array([0.0]), running, train=False, momentum=0.9, eps=0.0)
+    np.testing.assert_allclose(np.asarray(y_eval[:, 0]), [-1, 1, 3, 5])  # (x - 2) / 1: the running statistics
+    assert same is running
+
+
+def test_space_to_depth_and_odd_pooling_by_hand():
+    images = jnp.arange(16.0).reshape(1, 4, 4)
+    blocks = layers.space_to_depth(images)
+    assert blocks.shape == (1, 2, 2, 4)
+    np.testing.assert_array_equal(np.asarray(blocks[0, 0, 1]), [2, 3, 6, 7])  # the top-right 2x2 block
+    pooled = layers.max_pool2x2(jnp.arange(9.0).reshape(1, 3, 3, 1))
+    np.testing.assert_array_equal(np.asarray(pooled[0, :, :, 0]), [[4, 5], [7, 8]])  # the odd edge is kept
+
+
+def test_label_smoothing_loss_by_hand():
+    logits = jnp.array([[math.log(3.0), 0.0]])  # softmax: [3/4, 1/4]
+    smoothed = float(train.cross_entropy(logits, jnp.array([0]), 0.2)[0])  # targets [0.9, 0.1]
+    assert smoothed == pytest.approx(-(0.9 * math.log(0.75) + 0.1 * math.log(0.25)), rel=1e-6)
+    assert float(train.cross_entropy(logits, jnp.array([0]))[0]) == pytest.approx(-math.log(0.75), rel=1e-6)
+
+
+def test_the_optimizer_never_touches_running_statistics(small_dataset):
+    model = models.get("speedrun")
+    # A large rate and decay: an Adam step (~0.1) or decay (5%) on the statistics could not hide.
+    optimizer = train.make_optimizer(dataclasses.replace(TINY, lr=0.1, weight_decay=0.5, schedule="constant"), 8)
+    state = train.init_state(model, optimizer, seed=0)
+    step = jax.jit(train.make_train_step(model, optimizer, jnp.float32, 0.1))
+    images, labels = small_dataset.train.images_u8[:64].reshape(64, -1), small_dataset.train.labels[:64]
+    after, _ = step(state, images, labels)
+    _, expected = model.apply_train(state.params, train.scale_images(images), jnp.float32)
+    for got, want in zip(jax.tree_util.tree_leaves(after.params["stats"]), jax.tree_util.tree_leaves(expected),
+                         strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)  # the EMA only
+    assert not np.array_equal(np.asarray(after.params["conv0"]["w"]), np.asarray(state.params["conv0"]["w"]))
+
+
+def test_flip_tta_averages_the_image_and_its_mirror(small_dataset):
+    model = models.get("speedrun")
+    params = model.init(jax.random.key(0))
+    images = small_dataset.test.images_u8[:50]
+    scored = evaluate.run(params, "speedrun", images, small_dataset.test.labels[:50], batch_size=50, tta=True)
+    scaled = jnp.asarray(images.reshape(-1, 28, 28), jnp.float32) / 255
+    logits = (model.apply(params, scaled) + model.apply(params, scaled[:, :, ::-1])) / 2
+    np.testing.assert_array_equal(scored["predictions"], np.asarray(jnp.argmax(logits, -1)))
+    plain = np.asarray(jnp.argmax(model.apply(params, scaled), -1))
+    assert scored["report"]["accuracy_no_tta"] == pytest.approx(np.mean(plain == small_dataset.test.labels[:50]))
+
+
+def test_speedrun_training_is_deterministic_and_learns(small_dataset):
+    run = lambda cfg: train.fit(cfg, small_dataset.train.images_u8, small_dataset.train.labels)  # noqa: E731
+    first, second = run(TINY), run(TINY)
+    assert train.params_digest(first.state.params) == train.params_digest(second.state.params)
+    assert train.params_digest(run(dataclasses.replace(TINY, seed=1)).state.params) != \
+        train.params_digest(first.state.params)
+
+
+def test_speedrun_resume_is_bit_identical(tmp_path, synthetic_cli, capsys):
+    flags = ["--model", "speedrun", "--batch-size", "64", "--log-every", "4", "--schedule", "constant", "--quiet",
+             "--json"]
+    assert cli.main(["train", *flags, "--steps", "16", "--run-dir", str(tmp_path / "straight")]) == 0
+    straight = json.loads(capsys.readouterr().out)
+    assert cli.main(["train", *flags, "--steps", "8", "--run-dir", str(tmp_path / "split")]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", "--steps", "16", "--quiet", "--json", "--run-dir", str(tmp_path / "split")]) == 0
+    resumed = json.loads(capsys.readouterr().out)
+    assert resumed["params_digest"] == straight["params_digest"]
+    assert resumed["test_accuracy_no_tta"] == straight["test_accuracy_no_tta"]
+
+
+def test_aggregate_by_hand():
+    rows = [{"seed": s, "test_accuracy": a, "test_accuracy_no_tta": a - 0.01, "train_seconds": t,
+             "reached_target": a >= 0.94} for s, a, t in [(0, 0.94, 100.0), (1, 0.95, 120.0), (2, 0.93, 90.0)]]
+    result = speedrun.aggregate(rows, 0.94)
+    assert result["test_accuracy_mean"] == pytest.approx(0.94)
+    assert result["test_accuracy_std"] == pytest.approx(0.01)  # sample standard deviation of .94, .95, .93
+    assert result["reached_fraction"] == pytest.approx(2 / 3)
+    assert result["median_seconds_to_target"] == 120.0  # times 100, 120 and never: the middle one is 120
+    rows[0]["reached_target"] = False
+    assert speedrun.aggregate(rows, 0.94)["median_seconds_to_target"] is None  # two of three never arrived
+
+
+def test_speedrun_command_writes_the_record_and_keeps_finished_seeds(tmp_path, synthetic_cli, capsys):
+    out_dir = tmp_path / "record"
+    args = ["speedrun", "--seeds", "2", "--seed", "3", "--steps", "4", "--batch-size", "64", "--target", "0.5",
+            "--out", str(out_dir), "--json"]
+    assert cli.main(args) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["seeds"] == [3, 4] and [row["seed"] for row in document["per_seed"]] == [3, 4]
+    assert document["model"] == "speedrun" and document["tta"] is True
+    assert document["train_flops_per_run"] == models.get("speedrun").train_flops_per_example * 4 * 64
+    saved = json.loads((out_dir / "speedrun.json").read_text())
+    assert saved["per_seed"] == document["per_seed"]
+    assert "seed" in (out_dir / "speedrun.html").read_text()
+    digests = [row["params_digest"] for row in document["per_seed"]]
+    assert cli.main(args) == 0  # again: both seeds are kept, nothing retrained
+    captured = capsys.readouterr()
+    assert captured.err.count("finished earlier") == 2
+    assert [row["params_digest"] for row in json.loads(captured.out)["per_seed"]] == digests
+
+
+def test_speedrun_refuses_a_folder_finished_with_other_settings(tmp_path, synthetic_cli, capsys):
+    base = ["speedrun", "--seeds", "1", "--steps", "4", "--batch-size", "64", "--out", str(tmp_path), "--json"]
+    assert cli.main(base) == 0
+    capsys.readouterr()
+    assert cli.main([*base, "--lr", "0.01"]) == 2
+    assert "finished with other settings" in json.loads(capsys.readouterr().out)["error"]["message"]
