@@ -213,9 +213,7 @@ def cmd_data(args, out) -> int:
 
 
 def cmd_train(args, out, stops: StopRequests) -> int:
-    from fashionjax import train_command
-
-    from fashionjax import console
+    from fashionjax import console, train_command
 
     summary = train_command.run(args, _explicit_config(args), out, stops)
     console.show_summary(out, summary, Path(summary["run_dir"]))

@@ -68,7 +68,8 @@ def make_optimizer(config: TrainConfig, schedule_steps: int) -> optax.GradientTr
 
 def _trainable(params: dict) -> dict:
     """True for every leaf the optimizer updates: all but params["stats"]."""
-    return {name: jax.tree_util.tree_map(lambda _: name != "stats", subtree) for name, subtree in params.items()}
+    return {name: jax.tree_util.tree_map(lambda _, trained=name != "stats": trained, subtree)
+            for name, subtree in params.items()}
 
 
 def scale_images(images_u8):
