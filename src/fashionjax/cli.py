@@ -170,7 +170,7 @@ def cmd_doctor(args, out) -> int:
     info["gpu"] = has_gpu
     rows = [(k, info[k]) for k in ("python", "jax_version", "jaxlib_version", "optax_version",
                                    "fashionjax_version", "backend", "device_kind", "device_count",
-                                   "process_count", "cpu_model", "cpu_cores", "matmul_precision")]
+                                   "process_count", "cpu_model", "cpu_cores", "cpu_amx", "matmul_precision")]
     out.show(console.table("fashionjax doctor", ["item", "value"], rows))
     out.show(console.table("devices", ["id", "platform", "kind", "memory"],
                            [(d["id"], d["platform"], d["kind"], console.human_bytes(d["memory_bytes"]))

@@ -20,6 +20,15 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_has_amx() -> bool:
+    """Whether the CPU has Intel AMX tiles for bf16 (the Linux flag amx_bf16)."""
+    try:
+        return any(line.startswith("flags") and "amx_bf16" in line.split()
+                   for line in Path("/proc/cpuinfo").read_text().splitlines())
+    except OSError:
+        return False
+
+
 def git_commit() -> str | None:
     try:
         out = subprocess.run(
@@ -64,6 +73,7 @@ def describe(with_git: bool = False) -> dict:
         ],
         "cpu_model": cpu_model(),
         "cpu_cores": os.cpu_count(),
+        "cpu_amx": cpu_has_amx(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "matmul_precision": str(jax.config.jax_default_matmul_precision or "default"),
     }
