@@ -99,3 +99,30 @@ def test_report_in_a_real_browser(run_dir, tmp_path):
     assert sections == ["environment", "dataset", "model", "training", "evaluation"]
     assert "test accuracy" in accuracy_text
     assert (tmp_path / "report.png").stat().st_size > 50_000
+
+
+@pytest.mark.browser
+def test_speedrun_page_in_a_real_browser(tmp_path, synthetic_cli, capsys):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    executable = chromium_path()
+    if executable is None:
+        pytest.skip("no chromium here: apt-get install chromium (CI does)")
+    out_dir = tmp_path / "record"
+    assert cli.main(["speedrun", "--seeds", "2", "--steps", "4", "--batch-size", "64", "--quiet",
+                     "--out", str(out_dir)]) == 0
+    failures = []
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=["--no-sandbox"], timeout=60_000)
+        try:
+            page = browser.new_page()
+            page.on("pageerror", lambda e: failures.append(str(e)))
+            page.on("requestfailed", lambda r: failures.append(r.url))
+            page.goto((out_dir / "speedrun.html").as_uri(), wait_until="load", timeout=60_000)
+            images = page.eval_on_selector_all("img", "els => els.map(e => [e.complete, e.naturalWidth])")
+            seed_rows = page.eval_on_selector_all("table:first-of-type tr", "els => els.length") - 1
+            headline = page.inner_text("p.headline")
+        finally:
+            browser.close()
+    assert failures == []
+    assert len(images) == 1 and images[0][0] and images[0][1] > 0
+    assert seed_rows == 2 and "mean test accuracy" in headline and "over 2 seeds (0, 1)" in headline

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fashionjax import config as config_lib
 from fashionjax import distributed, environment, models, train
 from fashionjax import plan as plan_lib
 from fashionjax.config import DTYPES, ConfigError, TrainConfig
@@ -250,7 +251,8 @@ def run(config: BenchConfig, train_images_u8: np.ndarray, train_labels: np.ndarr
     validate(config, num_examples, int(mesh.devices.size))
     model = models.get(config.model)
     env = environment.describe(with_git=True)
-    base = TrainConfig(model=config.model, schedule="constant", epochs=None, steps=config.steps)
+    # The model's own recipe (optimizer, label smoothing), at a constant rate for an endless run.
+    base = dataclasses.replace(config_lib.default(config.model), schedule="constant", epochs=None, steps=config.steps)
     placed = {}  # the training data, once per mesh
 
     def work(dtype: str, batch: int, on_mesh=mesh) -> Workload:
