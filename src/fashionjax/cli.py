@@ -282,6 +282,7 @@ def cmd_eval(args, out) -> int:
     report = scored["report"]
     out.show(console.table(f"evaluation of {run_dir}", ["", ""], [
         ("test accuracy", f"{100 * report['accuracy']:.2f}% ({report['correct']:,} of {report['examples']:,})"),
+        *([("without flip TTA", f"{100 * report['accuracy_no_tta']:.2f}%")] if report["tta"] else []),
         ("test loss", f"{report['loss']:.4f}"), ("checkpoint step", report["step"]),
         ("params digest", report["params_digest"][:16])]))
     out.document(report)
