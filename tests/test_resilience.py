@@ -357,3 +357,22 @@ def test_closed_and_broken_output_streams_lose_nothing(reference, tmp_path):
                             capture_output=True, text=True, timeout=240)
     assert result.stdout.strip().endswith("status=0") and "Traceback" not in result.stdout
     assert artifacts.read_json(piped / "summary.json")["params_digest"] == reference["digest"]
+
+
+def test_an_interrupted_speedrun_goes_on_when_run_again(reference, tmp_path):
+    """SIGINT in the first seed: 130 and a checkpoint; the same command again keeps going, and that
+    seed ends bit-identical to the uninterrupted run."""
+    command = [sys.executable, "-m", "fashionjax", "speedrun", "--model", "mlp", *RUN, "--seeds", "2",
+               "--target", "0.5", "--out", str(tmp_path / "record"), "--json"]
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(finalized(tmp_path / "record" / "seed-0", 60), first)
+    first.send_signal(signal.SIGINT)
+    code, out, err = finish(first)
+    assert code == 130, err
+    assert "run the same speedrun command again" in json.loads(out)["error"]["message"]
+    code, out, err = finish(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    assert code == 0, err
+    assert "seed 0: resuming" in err
+    document = json.loads(out)
+    assert [row["seed"] for row in document["per_seed"]] == [0, 1]
+    assert document["per_seed"][0]["params_digest"] == reference["digest"]

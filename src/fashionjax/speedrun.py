@@ -15,6 +15,7 @@ from pathlib import Path
 
 from fashionjax import artifacts, environment, models, rundir
 from fashionjax.config import ConfigError
+from fashionjax.signals import Interrupted
 
 SPEEDRUN_JSON = "speedrun.json"
 
@@ -89,7 +90,12 @@ def run(args, explicit: dict, out, stops, train_one) -> dict:
         else:
             resume = rundir.has_checkpoint(run_dir)
             out.note(f"seed {seed}: {'resuming' if resume else 'training'} in {run_dir}")
-            summary = train_one(seed_arguments(args, run_dir, resume), {} if resume else seed_config, out, stops)
+            try:
+                summary = train_one(seed_arguments(args, run_dir, resume), {} if resume else seed_config, out, stops)
+            except Interrupted as stop:
+                stop.outcome = (f"seed {seed}: {stop.outcome or 'stopped'}; or run the same speedrun command again: "
+                                "it keeps the finished seeds and resumes this one")
+                raise
         rows.append(seed_row(summary, args.target))
     return write(out_dir, rows, args.target, summary)
 
