@@ -156,3 +156,14 @@ def test_unreachable_coordinator_is_one_line_naming_it_in_bounded_time(tmp_path)
     assert len(line) == 1 and f"127.0.0.1:{port}" in line[0] and "within 2 s" in line[0]
     assert json.loads(result.stdout)["error"]["exit_code"] == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_batch_norm_over_four_devices_matches_one(real_dataset, tmp_path):
+    """The speedrun model's batch statistics are the global batch's, however the batch is split:
+    the first four steps' losses agree to float tolerance (statistics of each 32-image shard would
+    move them by far more; later steps drift apart as any high-rate run does)."""
+    flags = ("--model", "speedrun", "--batch-size", "128", "--steps", "4", "--log-every", "1", "--no-tta")
+    one, four = (train_process(tmp_path / f"run{n}", n, *flags) for n in (1, 4))
+    one_summary, four_summary = completed(one), completed(four)
+    assert_close(losses(tmp_path / "run4"), losses(tmp_path / "run1"), rel=1e-5)
+    assert four_summary["test_accuracy"] == pytest.approx(one_summary["test_accuracy"], abs=5e-4)
