@@ -145,7 +145,7 @@ def test_a_failed_start_leaves_no_directory_behind(tmp_path, monkeypatch, capsys
 @pytest.mark.parametrize("seed", [0, 1, 12345, config.MAX_SEED])
 def test_init_data_and_augmentation_streams_differ(seed):
     keys = {purpose: tuple(np.asarray(jax.random.key_data(k)).tolist()) for purpose, k in plan.root_keys(seed).items()}
-    assert set(keys) == {"init", "data", "augment"} and len(set(keys.values())) == 3
+    assert set(keys) == {"init", "data", "augment", "flips"} and len(set(keys.values())) == 4
     # The old derivation's collision: the augmentation key was fold_in(root, 1) == split(root)[1].
     folded = tuple(np.asarray(jax.random.key_data(jax.random.fold_in(jax.random.key(seed), 1))).tolist())
     assert keys["augment"] != keys["data"] and folded not in (keys["augment"],)

@@ -41,6 +41,8 @@ class TrainConfig:
     dtype: str = _flag(f"compute dtype: {', '.join(DTYPES)}", "float32", choices=DTYPES)
     augment: bool = _flag("random horizontal flips and shifts (see --max-shift) of each training batch", False)
     max_shift: int = _flag("largest shift in pixels of --augment (0: flips only)", 1)
+    alternate_flips: bool = _flag("--augment mirrors each image in alternate epochs (from a coin per image) "
+                                  "instead of at random", False)
     label_smoothing: float = _flag("move this much of each target's probability to uniform", 0.0)
     tta: bool = _flag("test-time augmentation: score each test image and its mirror image (the summary "
                       "gives accuracy with and without)", False)
@@ -107,8 +109,9 @@ def codelab() -> TrainConfig:
 
 # Fields that define a run's trajectory: resuming with any of them changed is refused. The run's
 # length is checked through the plan; cadences (log_every, checkpoint_every, keep) may change.
-TRAJECTORY_FIELDS = ("model", "batch_size", "optimizer", "lr", "schedule", "warmup_steps",
-                     "weight_decay", "momentum", "clip_norm", "dtype", "augment", "max_shift", "label_smoothing", "seed")
+TRAJECTORY_FIELDS = ("model", "batch_size", "optimizer", "lr", "schedule", "warmup_steps", "weight_decay",
+                     "momentum", "clip_norm", "dtype", "augment", "max_shift", "alternate_flips", "label_smoothing",
+                     "seed")
 
 
 def differences(saved: dict, wanted: dict, names) -> list[str]:

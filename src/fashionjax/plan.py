@@ -16,8 +16,9 @@ import numpy as np
 from fashionjax import config as config_lib
 from fashionjax.config import ConfigError, TrainConfig
 
-# The purposes the root key is split into, in order: one split, independent streams.
-KEY_PURPOSES = ("init", "data", "augment")
+# The purposes the root key is split into, in order: one split, independent streams. New purposes
+# go last: with JAX's partitionable threefry the first keys of a split do not depend on its count.
+KEY_PURPOSES = ("init", "data", "augment", "flips")
 
 
 def root_keys(seed: int) -> dict[str, jax.Array]:
