@@ -145,3 +145,9 @@ def test_alternating_flips_mirror_each_image_in_every_other_epoch():
     mirrored = np.asarray(train.augment_batch(key, images, 0, jnp.array([True, False])))
     np.testing.assert_array_equal(mirrored[0], images[0].reshape(28, 28)[:, ::-1].reshape(-1))
     np.testing.assert_array_equal(mirrored[1], images[1])
+
+
+def test_tta_without_flipped_training_is_pointed_out(tmp_path, synthetic_cli, capsys):
+    assert cli.main(["train", "--model", "speedrun", "--no-augment", "--steps", "2", "--batch-size", "64",
+                     "--run-dir", str(tmp_path / "run")]) == 0
+    assert "--tta without --augment" in capsys.readouterr().err
