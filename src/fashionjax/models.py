@@ -97,6 +97,10 @@ def cnn_init(key) -> dict:
     }
 
 
+def _dense(x, layer, compute_dtype):
+    return x @ layer["w"].astype(compute_dtype) + layer["b"].astype(compute_dtype)
+
+
 def _conv_pool(x, layer, compute_dtype):
     y = layers.conv3x3_same(x, layer["w"].astype(compute_dtype))
     return layers.max_pool2x2(jax.nn.gelu(y + layer["b"].astype(compute_dtype)))
@@ -107,9 +111,8 @@ def cnn_apply(params: dict, images, compute_dtype=jnp.float32):
     x = _conv_pool(x, params["conv1"], compute_dtype)  # (batch, 14, 14, 32)
     x = _conv_pool(x, params["conv2"], compute_dtype)  # (batch, 7, 7, 64)
     x = x.reshape(x.shape[0], -1)
-    x = jax.nn.gelu(x @ params["dense1"]["w"].astype(compute_dtype) + params["dense1"]["b"].astype(compute_dtype))
-    logits = x @ params["dense2"]["w"].astype(compute_dtype) + params["dense2"]["b"].astype(compute_dtype)
-    return logits.astype(jnp.float32)
+    x = jax.nn.gelu(_dense(x, params["dense1"], compute_dtype))
+    return _dense(x, params["dense2"], compute_dtype).astype(jnp.float32)
 
 
 def _cnn_macs() -> list[int]:
@@ -128,6 +131,7 @@ def _cnn_macs() -> list[int]:
 SPEEDRUN_WIDTHS = (32, 64, 128)
 SPEEDRUN_SIDES = (14, 14, 7)  # the side each convolution runs at
 SPEEDRUN_POOLS = (False, True, True)
+SPEEDRUN_FAN_INS = tuple(9 * c for c in (4, *SPEEDRUN_WIDTHS[:-1]))  # 3x3 patches of the stem's 4 channels, then each width
 SPEEDRUN_FLAT = 4 * 4 * SPEEDRUN_WIDTHS[-1]  # 7x7 pooled with its odd edge kept: 4x4
 SPEEDRUN_HIDDEN = 256
 BN_MOMENTUM = 0.9
@@ -136,9 +140,8 @@ PIXEL_MEAN, PIXEL_STD = 0.286, 0.353  # Fashion-MNIST's training-set pixel stati
 
 def speedrun_init(key) -> dict:
     keys = jax.random.split(key, len(SPEEDRUN_WIDTHS) + 2)
-    fan_ins = [9 * c for c in (4, *SPEEDRUN_WIDTHS[:-1])]
     params = {"stats": {}}
-    for i, (k, fan_in, width) in enumerate(zip(keys, fan_ins, SPEEDRUN_WIDTHS, strict=False)):
+    for i, (k, fan_in, width) in enumerate(zip(keys, SPEEDRUN_FAN_INS, SPEEDRUN_WIDTHS, strict=False)):
         params[f"conv{i}"] = {"w": _he_normal(k, (3, 3, fan_in // 9, width), fan_in),
                               "bias": jnp.zeros((width,), jnp.float32)}
         params["stats"][f"conv{i}"] = {"mean": jnp.zeros((width,), jnp.float32), "var": jnp.ones((width,), jnp.float32)}
@@ -147,10 +150,6 @@ def speedrun_init(key) -> dict:
     params["head"] = {"w": jax.random.normal(keys[-1], (SPEEDRUN_HIDDEN, NUM_CLASSES), jnp.float32)
                       / math.sqrt(SPEEDRUN_HIDDEN), "b": jnp.zeros((NUM_CLASSES,), jnp.float32)}
     return params
-
-
-def _dense(x, layer, compute_dtype):
-    return x @ layer["w"].astype(compute_dtype) + layer["b"].astype(compute_dtype)
 
 
 def speedrun_forward(params: dict, images, compute_dtype=jnp.float32, train: bool = False):
@@ -178,9 +177,8 @@ def speedrun_apply_train(params: dict, images, compute_dtype=jnp.float32):
 
 
 def _speedrun_macs() -> list[int]:
-    fan_ins = [9 * c for c in (4, *SPEEDRUN_WIDTHS[:-1])]
-    convs = [side * side * fan_in * width for side, fan_in, width in zip(SPEEDRUN_SIDES, fan_ins, SPEEDRUN_WIDTHS,
-                                                                        strict=True)]
+    convs = [side * side * fan_in * width
+             for side, fan_in, width in zip(SPEEDRUN_SIDES, SPEEDRUN_FAN_INS, SPEEDRUN_WIDTHS, strict=True)]
     return [*convs, SPEEDRUN_FLAT * SPEEDRUN_HIDDEN, SPEEDRUN_HIDDEN * NUM_CLASSES]
 
 

@@ -105,12 +105,11 @@ def make_train_step(model: models.Model, optimizer: optax.GradientTransformation
 
     def train_step(state: TrainState, images_u8, labels):
         (loss, aux), grads = grad_fn(state.params, images_u8, labels)
-        accuracy = aux["accuracy"]
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         if aux["stats"] is not None:
             params = {**params, "stats": aux["stats"]}
-        metrics = {"loss": loss, "accuracy": accuracy, "grad_norm": optax.tree.norm(grads)}
+        metrics = {"loss": loss, "accuracy": aux["accuracy"], "grad_norm": optax.tree.norm(grads)}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     return train_step
