@@ -101,7 +101,7 @@ def test_train_smoke_writes_every_artifact_and_eval_agrees(tmp_path, synthetic_c
     assert summary["test_examples"] == 500 and summary["steps"] == 30
     records = artifacts.read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [10, 20, 30]
-    assert set(records[0]) == {"step", "epoch", "loss", "accuracy", "grad_norm", "examples_per_sec", "elapsed_s"}
+    assert set(records[0]) == {"step", "epoch", "loss", "accuracy", "grad_norm", "examples_per_sec", "elapsed_s", "lr"}
 
     code = cli.main(["eval", str(run_dir), "--json"])
     report = json.loads(capsys.readouterr().out)

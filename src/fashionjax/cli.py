@@ -150,6 +150,28 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _data_flags(speedrun_cmd)
     _common(speedrun_cmd)
 
+    predict_cmd = sub.add_parser(
+        "predict", help="classify your own images (PNG, JPEG, ...) with a trained run",
+        epilog="Each picture is made to look like Fashion-MNIST first: grayscale, inverted when its background "
+               "is light, trimmed to the object, scaled to 28 px on its longest edge and centred.")
+    predict_cmd.add_argument("run_dir", help="a run directory written by `fashionjax train`")
+    predict_cmd.add_argument("paths", nargs="+", metavar="PATH", help="image files, or folders of them")
+    predict_cmd.add_argument("--top-k", type=int, default=3, help="classes listed per image (default 3)")
+    predict_cmd.add_argument("--save-preprocessed", metavar="FILE",
+                             help="write a PNG grid of what the model saw, with its predictions")
+    _common(predict_cmd)
+
+    export_cmd = sub.add_parser(
+        "export", help="write a run's model as ONNX, StableHLO or safetensors (checked against JAX)",
+        epilog="ONNX and StableHLO take images (batch, 28, 28) float32 in [0, 1] and return logits (batch, 10); "
+               "both are checked on all 10,000 test images after writing. Needs pip install 'fashionjax[export]' "
+               "for onnx and safetensors.")
+    export_cmd.add_argument("run_dir", help="a run directory written by `fashionjax train`")
+    export_cmd.add_argument("--format", default="all", help="onnx, stablehlo, safetensors or all (default all)")
+    export_cmd.add_argument("--out", required=True, help="output directory")
+    _data_flags(export_cmd)
+    _common(export_cmd)
+
     report_cmd = sub.add_parser("report", help="write report.html from a run's saved files")
     report_cmd.add_argument("run_dir", help="a run directory written by `fashionjax train`")
     report_cmd.add_argument("--bench", help="a bench.json to include (default: RUN_DIR/bench.json if present)")
@@ -243,13 +265,73 @@ def cmd_speedrun(args, out, stops: StopRequests) -> int:
     return EXIT_OK
 
 
+def _run_dir(text: str) -> Path:
+    """A RUN_DIR argument, refused (exit 2) unless it is a run directory."""
+    run_dir = Path(text)
+    if not (run_dir / "config.json").is_file():
+        raise ConfigError(f"{run_dir}: not a run directory (no config.json)")
+    return run_dir
+
+
+def cmd_predict(args, out) -> int:
+    from fashionjax import console, evaluate, predict
+    from fashionjax import run as run_lib
+    from fashionjax.data import CLASS_NAMES
+    from fashionjax.report import plots
+
+    run_dir = _run_dir(args.run_dir)
+    if not 1 <= args.top_k <= len(CLASS_NAMES):
+        raise ConfigError(f"--top-k must be between 1 and {len(CLASS_NAMES)}, got {args.top_k}")
+    paths = predict.image_paths(args.paths)
+    trained = run_lib.load_trained(run_dir, out.note)
+    config = trained.config
+    classify = evaluate.classifier(config.model, trained.params, config.dtype, config.tta)
+    predictions, failures = predict.predict(classify, paths)
+    rows = [item.to_dict(CLASS_NAMES, args.top_k) for item in predictions]
+    for failure in failures:
+        out.error(f"fashionjax predict: {failure['message']}")
+    out.show(console.table(f"predictions of {run_dir} (checkpoint step {trained.step})",
+                           ["image", "class", "probability", "next"],
+                           [(row["path"], row["class"], f"{100 * row['probability']:.1f}%",
+                             ", ".join(f"{t['class']} {100 * t['probability']:.1f}%" for t in row["top_k"][1:]))
+                            for row in rows]))
+    document = {"run_dir": str(run_dir), "model": config.model, "checkpoint_step": trained.step,
+                "predictions": rows, "failures": failures}
+    if args.save_preprocessed and predictions:
+        titles = [f"{Path(row['path']).name[:18]}\n{row['class']} {100 * row['probability']:.0f}%" for row in rows]
+        document["preprocessed"] = str(plots.titled_grid(
+            [item.image_u8 for item in predictions], titles, [plots.NEUTRAL] * len(rows), args.save_preprocessed,
+            f"What {config.model} saw"))
+        out.show(f"preprocessed images: {document['preprocessed']}")
+    out.document(document)
+    return EXIT_FAILURE if failures else EXIT_OK
+
+
+def cmd_export(args, out) -> int:
+    from fashionjax import artifacts, export
+    from fashionjax import run as run_lib
+
+    run_dir = _run_dir(args.run_dir)
+    wanted = export.formats(args.format)
+    export.require(wanted)  # before the data and the model load
+    dataset = _load_data(args, out)
+    trained = run_lib.load_trained(run_dir, out.note)
+    out_dir = artifacts.ensure_dir(args.out)
+    document = export.export(trained, wanted, out_dir, dataset.test.images_u8, dataset.class_names, out.note)
+    for fmt, item in document["artifacts"].items():
+        check = (f"params equal: {item['params_equal']}" if fmt == "safetensors" else
+                 f"{item['examples']:,} test images, max |logit difference| {item['max_abs_logit_difference']:.2e}, "
+                 f"{item['differing_labels']} labels differ")
+        out.show(f"{fmt}: {item['path']} ({item['bytes']:,} bytes; {check})")
+    out.document(document)
+    return EXIT_OK
+
+
 def cmd_report(args, out) -> int:
     from fashionjax import rundir
     from fashionjax.report import render
 
-    run_dir = Path(args.run_dir)
-    if not (run_dir / "config.json").is_file():
-        raise ConfigError(f"{run_dir}: not a run directory (no config.json)")
+    run_dir = _run_dir(args.run_dir)
     if args.bench and not Path(args.bench).is_file():
         raise ConfigError(f"{args.bench}: no such bench.json")
     if args.out:
@@ -273,9 +355,7 @@ def cmd_eval(args, out) -> int:
     from fashionjax import console, distributed, environment
     from fashionjax import run as run_lib
 
-    run_dir = Path(args.run_dir)
-    if not (run_dir / "config.json").is_file():
-        raise ConfigError(f"{run_dir}: not a run directory (no config.json)")
+    run_dir = _run_dir(args.run_dir)
     environment.enable_compile_cache()
     dataset = _load_data(args, out)
     scored = run_lib.rescore(run_dir, dataset, distributed.make_mesh("all"), out.note)
@@ -325,13 +405,15 @@ def cmd_bench(args, out) -> int:
 
 
 COMMANDS = {"doctor": cmd_doctor, "data": cmd_data, "train": cmd_train, "eval": cmd_eval,
-            "bench": cmd_bench, "report": cmd_report, "speedrun": cmd_speedrun}
+            "bench": cmd_bench, "report": cmd_report, "speedrun": cmd_speedrun,
+            "predict": cmd_predict, "export": cmd_export}
 NEEDS_SIGNALS = (cmd_train, cmd_speedrun)  # commands that defer signals to a chunk end
 
 # What kind of failure each exception is, for `{"error": {"kind": ...}}`; checked in order.
 ERROR_KINDS = (("ConfigError", "usage"), ("UsageError", "usage"), ("RunDirBusy", "busy"),
                ("ResumeError", "resume"), ("CheckpointError", "checkpoint"), ("DataError", "data"),
-               ("Diverged", "diverged"), ("ArtifactError", "file"), ("Interrupted", "interrupted"),
+               ("Diverged", "diverged"), ("ArtifactError", "file"), ("ExportError", "export"),
+               ("MissingExtra", "missing_extra"), ("Interrupted", "interrupted"),
                ("OSError", "io"))
 
 

@@ -46,6 +46,8 @@ class TrainConfig:
     label_smoothing: float = _flag("move this much of each target's probability to uniform", 0.0)
     tta: bool = _flag("test-time augmentation: score each test image and its mirror image (the summary "
                       "gives accuracy with and without)", False)
+    tensorboard: bool = _flag("also write TensorBoard event files into RUN_DIR/tensorboard (needs the tb extra)",
+                              False)
     seed: int = _flag(f"root of all randomness, 0..{MAX_SEED}", 0)
     log_every: int = _flag("steps per compiled chunk and log point (capped at the run's length)", 25)
     checkpoint_every: int | None = _flag("steps between checkpoints (unset: once an epoch)", None)

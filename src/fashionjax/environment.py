@@ -93,3 +93,17 @@ def enable_compile_cache() -> None:
     jax.config.update("jax_compilation_cache_dir", str(data.cache_root() / "xla-cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class MissingExtra(RuntimeError):
+    """An optional feature whose packages are not installed; the message names the extra."""
+
+
+def require_extra(extra: str, modules: tuple[str, ...], feature: str) -> None:
+    """Refuse at once, naming the pip extra, when any of `modules` cannot be imported."""
+    import importlib.util
+
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise MissingExtra(f"{feature} needs {', '.join(missing)}: install it with "
+                           f"pip install 'fashionjax[{extra}]'")

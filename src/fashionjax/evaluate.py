@@ -15,6 +15,22 @@ from fashionjax import distributed, models
 from fashionjax.train import compute_dtype, scale_images
 
 
+def scored_logits(model: models.Model, params, images, dtype, tta: bool):
+    """(the logits a prediction is made from, the image's own logits) for images (B, 28, 28) in [0, 1].
+
+    With tta the first is the mean of the image's logits and its mirror image's.
+    """
+    plain = model.apply(params, images, dtype)  # (B, 10) float32
+    return ((plain + model.apply(params, images[:, :, ::-1], dtype)) / 2 if tta else plain), plain
+
+
+def classifier(model_name: str, params, dtype: str = "float32", tta: bool = False):
+    """The trained model as one pure function: images (B, 28, 28) float32 in [0, 1] -> logits (B, 10),
+    scored as the run was evaluated (with flip TTA when it used it); what predict and export use."""
+    model = models.get(model_name)
+    return lambda images: scored_logits(model, params, images, compute_dtype(dtype), tta)[0]
+
+
 def make_predict(model: models.Model, dtype, mesh, tta: bool = False):
     """predict(params, batches_u8 (num_batches, B, 784), labels (num_batches, B)) -> per-example outputs.
 
@@ -28,8 +44,7 @@ def make_predict(model: models.Model, dtype, mesh, tta: bool = False):
             images_u8, labels = batch
             images_u8 = jax.lax.with_sharding_constraint(images_u8, batch_sharding)
             images = scale_images(images_u8).reshape(-1, models.IMAGE_SIDE, models.IMAGE_SIDE)
-            plain = model.apply(params, images, dtype)  # (B, 10) float32
-            logits = (plain + model.apply(params, images[:, :, ::-1], dtype)) / 2 if tta else plain
+            logits, plain = scored_logits(model, params, images, dtype, tta)
             losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
             probs = jax.nn.softmax(logits)
             return None, (jnp.argmax(logits, -1).astype(jnp.int32), jnp.max(probs, -1), losses,

@@ -12,7 +12,16 @@ import jax
 import numpy as np
 
 import fashionjax
-from fashionjax import artifacts, checkpoint, data, environment, evaluate, models, rundir
+from fashionjax import (
+    artifacts,
+    checkpoint,
+    data,
+    environment,
+    evaluate,
+    models,
+    rundir,
+    tensorboard,
+)
 from fashionjax import config as config_lib
 from fashionjax import train as train_lib
 from fashionjax.config import TRAJECTORY_FIELDS, TrainConfig
@@ -75,6 +84,7 @@ def train(config: TrainConfig, plan: Plan, dataset: data.Dataset, run_dir: RunDi
     metrics_path = run_dir.file("metrics.jsonl") if is_writer() else None
     checkpoints = run_dir.file("checkpoints") if is_writer() else run_dir.path / "checkpoints"
     checkpointer = checkpoint.Checkpointer(checkpoints, config, keep=config.keep)
+    events = None
     try:
         start = None
         if resume:
@@ -92,12 +102,17 @@ def train(config: TrainConfig, plan: Plan, dataset: data.Dataset, run_dir: RunDi
         elif is_writer():
             plots.samples(dataset.train.images_u8, dataset.train.labels, dataset.class_names,
                           run_dir.file("samples.png"))
+        if config.tensorboard and is_writer():  # after the resume cut metrics.jsonl back: the events mirror it
+            events = tensorboard.Events.restart(run_dir.file(tensorboard.DIRECTORY), artifacts.read_jsonl(metrics_path))
+            hooks = dataclasses.replace(hooks, on_log=lambda record, log=hooks.on_log: (events.log(record), log(record)))
         if plan.dropped_per_epoch:
             hooks.on_note(f"each epoch drops the last {plan.dropped_per_epoch} training examples (a partial batch)")
         return train_lib.fit(config, dataset.train.images_u8, dataset.train.labels, mesh=mesh, plan=plan,
                              metrics_path=metrics_path, checkpointer=checkpointer, hooks=hooks, start=start)
     finally:
         checkpointer.close()
+        if events is not None:
+            events.close()
 
 
 def finish(config: TrainConfig, result: train_lib.FitResult, dataset: data.Dataset, run_dir: RunDir, mesh) -> dict:
@@ -108,6 +123,10 @@ def finish(config: TrainConfig, result: train_lib.FitResult, dataset: data.Datas
     if is_writer():
         write_eval_artifacts(run_dir, scored, dataset)
         plots.curve(artifacts.read_jsonl(run_dir.path / "metrics.jsonl"), run_dir.file("curve.png"))
+        if config.tensorboard:
+            events = tensorboard.Events(run_dir.file(tensorboard.DIRECTORY))
+            events.finish(config, summary)
+            events.close()
         artifacts.atomic_write_json(run_dir.file("summary.json"), summary)  # last: the run is complete
     return summary
 
@@ -163,18 +182,34 @@ def write_eval_artifacts(run_dir: RunDir, scored: dict, dataset: data.Dataset) -
                      notes=[f"{100 * confidence[i]:.1f}% sure" for i in worst])
 
 
-def rescore(run_dir: Path, dataset: data.Dataset, mesh, note=lambda message: None) -> dict:
-    """Evaluate the newest intact checkpoint of a run again on the whole test set, touching nothing.
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    """A run's saved config and the parameters of its newest intact checkpoint."""
 
-    Safe on a run that is still training: the checkpoints are opened read-only.
-    """
-    document = artifacts.read_json(run_dir / "config.json")
-    config = TrainConfig(**document["config"])
+    run_dir: Path
+    config: TrainConfig
+    step: int
+    params: dict
+
+
+def load_trained(run_dir: str | Path, note=lambda message: None) -> Trained:
+    """The newest intact checkpoint's parameters, opened read-only (safe on a run still training)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").is_file():
+        raise config_lib.ConfigError(f"{run_dir}: not a run directory (no config.json)")
+    config = TrainConfig(**artifacts.read_json(run_dir / "config.json")["config"])
     model = models.get(config.model)
     template = train_lib.init_state(model, train_lib.make_optimizer(config, 1), config.seed)
     step, state, _ = checkpoint.read_latest(run_dir / "checkpoints", template, note)
-    scored = evaluate.run(state.params, config.model, dataset.test.images_u8,
+    return Trained(run_dir, config, step, state.params)
+
+
+def rescore(run_dir: Path, dataset: data.Dataset, mesh, note=lambda message: None) -> dict:
+    """Evaluate the newest intact checkpoint of a run again on the whole test set, touching nothing."""
+    trained = load_trained(run_dir, note)
+    config = trained.config
+    scored = evaluate.run(trained.params, config.model, dataset.test.images_u8,
                           dataset.test.labels, config.dtype, config.eval_batch_size, mesh, config.tta)
-    scored["report"]["step"] = step
-    scored["report"]["params_digest"] = train_lib.params_digest(state.params)
+    scored["report"]["step"] = trained.step
+    scored["report"]["params_digest"] = train_lib.params_digest(trained.params)
     return scored

@@ -44,14 +44,18 @@ def compute_dtype(name: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
 
 
+def lr_schedule(config: TrainConfig, schedule_steps: int) -> Callable[[int], Any]:
+    """The learning rate of each update (counted from 0): what the optimizer uses, for the logs too."""
+    if config.schedule != "cosine":
+        return lambda count: config.lr
+    warmup = min(config.warmup_steps, max(schedule_steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(
+        0.0, config.lr, warmup_steps=warmup, decay_steps=max(schedule_steps, warmup + 1), end_value=0.0)
+
+
 def make_optimizer(config: TrainConfig, schedule_steps: int) -> optax.GradientTransformation:
     """The optax chain for a config; the schedule's position lives in the optimizer state."""
-    if config.schedule == "cosine":
-        warmup = min(config.warmup_steps, max(schedule_steps - 1, 0))
-        learning_rate = optax.warmup_cosine_decay_schedule(
-            0.0, config.lr, warmup_steps=warmup, decay_steps=max(schedule_steps, warmup + 1), end_value=0.0)
-    else:
-        learning_rate = config.lr
+    learning_rate = lr_schedule(config, schedule_steps) if config.schedule == "cosine" else config.lr
     if config.optimizer == "adamw":
         optimizer = optax.adamw(learning_rate, weight_decay=config.weight_decay)
     elif config.optimizer == "adam":
@@ -307,6 +311,7 @@ def fit(
     compiled: dict[int, Any] = {}
     perms, epoch_index, perms_epoch = None, None, None
     augment = make_augment(config, plan)
+    learning_rate = lr_schedule(config, plan.schedule_steps)
     while step < plan.total_steps:
         end = min((step // plan.log_every + 1) * plan.log_every, plan.total_steps)
         num_steps = end - step
@@ -335,6 +340,7 @@ def fit(
             "loss": float(host_metrics["loss"].mean()),
             "accuracy": float(host_metrics["accuracy"].mean()),
             "grad_norm": float(host_metrics["grad_norm"].mean()),
+            "lr": float(learning_rate(end - 1)),  # the chunk's last update's
             "examples_per_sec": num_steps * plan.batch_size / seconds,
             "elapsed_s": stats.wall_seconds,
         }

@@ -13,7 +13,7 @@ import dataclasses
 import shlex
 from pathlib import Path
 
-from fashionjax import checkpoint, console, data, distributed, environment, rundir
+from fashionjax import checkpoint, console, data, distributed, environment, rundir, tensorboard
 from fashionjax import config as config_lib
 from fashionjax import plan as plan_lib
 from fashionjax import run as run_lib
@@ -88,6 +88,8 @@ def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, target) 
             if config.tta and not config.augment:  # measured: 89.51% with TTA against 92.39% without
                 out.note("--tta without --augment: the model never sees a mirrored image in training, so its "
                          "flip TTA figure is likely the lower one (both are reported)")
+        if config.tensorboard:
+            tensorboard.require()
         environment.enable_compile_cache()
         dataset = data.load(args.data_dir, offline=args.offline, log=out.note)
         mesh = distributed.make_mesh(args.devices)

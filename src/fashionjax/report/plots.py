@@ -14,7 +14,7 @@ import numpy as np  # noqa: E402
 
 from fashionjax import artifacts  # noqa: E402
 
-RIGHT, WRONG = "#1a7f37", "#d1242f"
+RIGHT, WRONG, NEUTRAL = "#1a7f37", "#d1242f", "#1f2328"
 LOSS_COLOR, ACCURACY_COLOR = "#0969da", "#1a7f37"
 
 
@@ -85,16 +85,24 @@ def confusion(counts: np.ndarray, class_names: Sequence[str], path) -> Path:
 def image_grid(images_u8: np.ndarray, true_labels, predicted, class_names: Sequence[str], path,
                title: str, notes: Sequence[str] | None = None) -> Path:
     """5 x 5 images titled with predicted and true names, green when right, red when wrong."""
-    fig, axes = plt.subplots(5, 5, figsize=(10, 10.5))
+    shown = range(min(len(images_u8), 25))
+    titles = [f"pred: {class_names[int(predicted[k])]}\ntrue: {class_names[int(true_labels[k])]}"
+              + (f"\n{notes[k]}" if notes is not None else "") for k in shown]
+    colors = [RIGHT if int(true_labels[k]) == int(predicted[k]) else WRONG for k in shown]
+    return titled_grid(images_u8[:25], titles, colors, path, title, columns=5, rows=5)
+
+
+def titled_grid(images_u8: np.ndarray, titles: Sequence[str], colors: Sequence[str], path, title: str,
+                columns: int | None = None, rows: int | None = None) -> Path:
+    """Images (n, 28, 28) in a grid, each with its own title and title colour."""
+    columns = columns or min(len(images_u8), 6) or 1
+    rows = rows or max(-(-len(images_u8) // columns), 1)
+    fig, axes = plt.subplots(rows, columns, figsize=(2 * columns, 2.5 * rows + 0.5), squeeze=False)
     for k, ax in enumerate(axes.flat):
         ax.axis("off")
-        if k >= len(images_u8):
-            continue
-        right = int(true_labels[k]) == int(predicted[k])
-        ax.imshow(images_u8[k], cmap="gray")
-        extra = f"\n{notes[k]}" if notes is not None else ""
-        ax.set_title(f"pred: {class_names[int(predicted[k])]}\ntrue: {class_names[int(true_labels[k])]}{extra}",
-                     fontsize=8, color=RIGHT if right else WRONG)
+        if k < len(images_u8):
+            ax.imshow(images_u8[k], cmap="gray", vmin=0, vmax=255)
+            ax.set_title(titles[k], fontsize=8, color=colors[k])
     fig.suptitle(title)
     fig.tight_layout()
     return _save(fig, path)

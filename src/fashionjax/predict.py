@@ -1,0 +1,134 @@
+"""A user's own pictures in: made to look like Fashion-MNIST, then classified by a trained run.
+
+Fashion-MNIST's images are light garments on a black 28x28 canvas, the garment trimmed to its
+bounding box and scaled so that its longest edge is 28 pixels. A photo is brought to that form:
+grayscale, inverted when its background is light, trimmed, scaled (aspect kept) and centred.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+from PIL import Image, ImageOps
+
+from fashionjax.config import ConfigError
+
+SIDE = 28
+INK_FRACTION = 0.05  # a pixel belongs to the object when it stands out by 5% of the brightest (as the dataset trimmed)
+BATCH = 256  # images per compiled call; the last batch is padded, so one shape compiles once
+
+
+class ImageError(ValueError):
+    """A file that is not a readable image (not an image at all, or truncated)."""
+
+
+def image_suffixes() -> set[str]:
+    """The file suffixes Pillow can open here (.png, .jpg, .webp, ...)."""
+    return {suffix.lower() for suffix in Image.registered_extensions()}
+
+
+def image_paths(paths: Sequence[str | Path]) -> list[Path]:
+    """Every file named, and the image files (by suffix, sorted, not recursive) of every folder named."""
+    found: list[Path] = []
+    suffixes = image_suffixes()
+    for path in map(Path, paths):
+        if path.is_dir():
+            images = sorted(p for p in path.iterdir()
+                            if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in suffixes)
+            if not images:
+                raise ConfigError(f"{path}: no image files in this folder (looked for {', '.join(sorted(suffixes)[:6])}, ...)")
+            found += images
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise ConfigError(f"{path}: no such file or folder")
+    return found
+
+
+def load(path: str | Path) -> np.ndarray:
+    """One image file as a (28, 28) uint8 Fashion-MNIST-style image; ImageError names a bad file."""
+    try:
+        with Image.open(path) as image:
+            image.load()  # decode now: a truncated file fails here, not later
+            image = ImageOps.exif_transpose(image)  # a phone photo's orientation tag
+            if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+                canvas = Image.new("RGBA", image.size, "white")  # transparent means background
+                image = Image.alpha_composite(canvas, image.convert("RGBA"))
+            gray = np.asarray(image.convert("L"), dtype=np.uint8)
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        raise ImageError(f"{path}: not a readable image ({err})") from err
+    return to_fashion_mnist(gray)
+
+
+def to_fashion_mnist(gray: np.ndarray) -> np.ndarray:
+    """A grayscale image (h, w) uint8 -> (28, 28) uint8, light object on black, as the dataset was made.
+
+    An image that is already 28x28 on a dark background is returned unchanged: it is in the
+    dataset's form (so the test set written to PNG classifies exactly as in memory).
+    """
+    light = _border_level(gray) > 127
+    if gray.shape == (SIDE, SIDE) and not light:
+        return gray.copy()
+    ink = (255 - gray if light else gray).astype(np.float32)
+    ink = np.clip(ink - _border_level(ink), 0, None)  # the background to black
+    peak = float(ink.max())
+    if peak <= 0:  # a blank picture: nothing to trim or scale
+        return np.zeros((SIDE, SIDE), np.uint8)
+    rows, cols = np.nonzero(ink > INK_FRACTION * peak)
+    crop = ink[rows.min():rows.max() + 1, cols.min():cols.max() + 1] * (255.0 / peak)
+    height, width = crop.shape
+    scale = SIDE / max(height, width)
+    size = (max(1, round(width * scale)), max(1, round(height * scale)))
+    resized = np.asarray(Image.fromarray(crop.astype(np.uint8)).resize(size, Image.Resampling.LANCZOS))
+    canvas = np.zeros((SIDE, SIDE), np.uint8)
+    top, left = (SIDE - size[1]) // 2, (SIDE - size[0]) // 2
+    canvas[top:top + size[1], left:left + size[0]] = resized
+    return canvas
+
+
+def _border_level(image: np.ndarray) -> float:
+    """The median of the outermost pixels: the background's level."""
+    border = np.concatenate([image[0], image[-1], image[1:-1, 0], image[1:-1, -1]])
+    return float(np.median(border))
+
+
+def probabilities(classify, images_u8: np.ndarray) -> np.ndarray:
+    """Class probabilities (n, 10) for images (n, 28, 28) uint8, in padded batches of one shape."""
+    softmax = jax.jit(lambda images: jax.nn.softmax(classify(images)))
+    out = []
+    for start in range(0, len(images_u8), BATCH):
+        chunk = images_u8[start:start + BATCH]
+        padded = np.zeros((BATCH, SIDE, SIDE), np.float32)
+        padded[:len(chunk)] = chunk / np.float32(255.0)
+        out.append(np.asarray(softmax(padded))[:len(chunk)])  # deliberate sync: the answer
+    return np.concatenate(out) if out else np.zeros((0, 10), np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    path: str
+    image_u8: np.ndarray  # what the model saw
+    probabilities: np.ndarray  # (10,)
+
+    def to_dict(self, class_names: Sequence[str], top_k: int) -> dict:
+        order = np.argsort(-self.probabilities, kind="stable")[:top_k]
+        top = [{"label": int(k), "class": class_names[k], "probability": float(self.probabilities[k])}
+               for k in order]
+        return {"path": self.path, **top[0], "top_k": top}
+
+
+def predict(classify, paths: Iterable[Path]) -> tuple[list[Prediction], list[dict]]:
+    """(predictions, failures): every readable image classified; each unreadable one named in failures."""
+    loaded, failures = [], []
+    for path in paths:
+        try:
+            loaded.append((str(path), load(path)))
+        except ImageError as err:
+            failures.append({"path": str(path), "message": str(err)})
+    images_u8 = np.stack([image for _, image in loaded]) if loaded else np.zeros((0, SIDE, SIDE), np.uint8)
+    probs = probabilities(classify, images_u8)
+    return [Prediction(path, image, p) for (path, image), p in zip(loaded, probs, strict=True)], failures

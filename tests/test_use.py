@@ -1,0 +1,259 @@
+"""Using a trained model: `predict` on image files, `export` to ONNX / StableHLO / safetensors, and
+TensorBoard event files that mirror metrics.jsonl."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import jax
+import numpy as np
+import pytest
+from PIL import Image
+
+from fashionjax import artifacts, cli, environment, evaluate, export, predict, tensorboard
+from fashionjax import run as run_lib
+from fashionjax.data import CLASS_NAMES
+
+PICKED = np.random.default_rng(3).choice(10000, size=120, replace=False)  # test images written as files
+
+
+def call(capsys, *argv) -> tuple[int, dict]:
+    """Run the CLI in-process with --json; (exit code, the one JSON document)."""
+    code = cli.main([*argv, "--json", "--quiet"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def train_run(directory, *flags) -> None:
+    assert cli.main(["train", "--quiet", "--run-dir", str(directory), *flags]) == 0
+
+
+@pytest.fixture(scope="module")
+def mlp_run(real_dataset, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("use") / "mlp"
+    train_run(directory, "--steps", "300", "--log-every", "100")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def in_memory(mlp_run, real_dataset):
+    """The run's own predictions of the whole test set, the way `eval` makes them."""
+    trained = run_lib.load_trained(mlp_run)
+    return evaluate.run(trained.params, "mlp", real_dataset.test.images_u8, real_dataset.test.labels)["predictions"]
+
+
+def photo_like(image_u8: np.ndarray, rng: np.random.Generator) -> Image.Image:
+    """A test image as a user's picture: dark on white, 2-5x larger, off-centre, in colour."""
+    side = int(28 * rng.uniform(2, 5))
+    garment = Image.fromarray(255 - image_u8).resize((side, side), Image.Resampling.BICUBIC).convert("RGB")
+    canvas = Image.new("RGB", (side * 2 + 40, side + 60), (255, 255, 255))
+    canvas.paste(garment, (int(rng.integers(0, side + 40)), int(rng.integers(0, 60))))
+    return canvas
+
+
+# ---------------------------------------------------------------- preprocessing, by hand
+
+
+def test_a_dark_rectangle_on_white_becomes_a_centred_light_one_scaled_to_28():
+    picture = np.full((100, 100), 255, np.uint8)
+    picture[30:40, 50:70] = 0  # 10 rows x 20 columns of black on white
+    image = predict.to_fashion_mnist(picture)
+    assert image.shape == (28, 28) and image.dtype == np.uint8
+    rows, cols = np.nonzero(image > 128)
+    # longest edge 20 -> 28, so 10 rows -> 14, centred: rows 7..20, every column
+    assert (rows.min(), rows.max(), cols.min(), cols.max()) == (7, 20, 0, 27)
+    assert image[:6].max() == 0 and image[22:].max() == 0  # the rest is black, as in the dataset
+
+
+def test_a_dataset_image_passes_unchanged(real_dataset):
+    image = real_dataset.test.images_u8[0]
+    assert np.array_equal(predict.to_fashion_mnist(image), image)
+
+
+def test_transparent_background_counts_as_light(tmp_path):
+    picture = Image.new("RGBA", (60, 40), (0, 0, 0, 0))
+    picture.paste((30, 30, 30, 255), (10, 5, 50, 35))  # an opaque dark box on a transparent ground
+    picture.save(tmp_path / "cutout.png")
+    image = predict.load(tmp_path / "cutout.png")
+    rows, cols = np.nonzero(image > 128)
+    assert (cols.min(), cols.max()) == (0, 27) and image[0].max() == 0
+
+
+# ---------------------------------------------------------------- predict through the CLI
+
+
+def test_test_images_as_png_classify_as_in_memory(mlp_run, in_memory, real_dataset, tmp_path, capsys):
+    folder = tmp_path / "pngs"
+    folder.mkdir()
+    for index in PICKED:
+        Image.fromarray(real_dataset.test.images_u8[index]).save(folder / f"{index:05d}.png")
+    code, document = call(capsys, "predict", str(mlp_run), str(folder), "--top-k", "3")
+    assert code == 0 and document["failures"] == []
+    by_index = {int(p["path"].rsplit("/", 1)[1][:5]): p for p in document["predictions"]}
+    assert sorted(by_index) == sorted(int(i) for i in PICKED)
+    for index, row in by_index.items():
+        assert row["label"] == in_memory[index] and row["class"] == CLASS_NAMES[row["label"]]
+        probabilities = [t["probability"] for t in row["top_k"]]
+        assert len(row["top_k"]) == 3 and probabilities == sorted(probabilities, reverse=True)
+        assert row["top_k"][0]["label"] == row["label"] and 0 < sum(probabilities) <= 1 + 1e-6
+
+
+def test_photo_like_images_classify_the_same_for_the_large_majority(mlp_run, in_memory, real_dataset, tmp_path,
+                                                                       capsys):
+    rng = np.random.default_rng(11)
+    paths = []
+    for index in PICKED:
+        path = tmp_path / f"{index:05d}.jpg"
+        photo_like(real_dataset.test.images_u8[index], rng).save(path, quality=90)
+        paths.append(str(path))
+    grid = tmp_path / "seen.png"
+    code, document = call(capsys, "predict", str(mlp_run), *paths, "--save-preprocessed", str(grid))
+    assert code == 0
+    same = [row["label"] == in_memory[int(row["path"].rsplit("/", 1)[1][:5])] for row in document["predictions"]]
+    assert len(same) == len(PICKED) and np.mean(same) >= 0.85, np.mean(same)
+    assert grid.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and document["preprocessed"] == str(grid)
+
+
+def test_a_non_image_among_images_is_named_and_the_others_are_predicted(mlp_run, real_dataset, tmp_path, capsys):
+    for index in PICKED[:3]:
+        Image.fromarray(real_dataset.test.images_u8[index]).save(tmp_path / f"{index:05d}.png")
+    (tmp_path / "notes.png").write_text("not a picture")
+    whole = (tmp_path / f"{PICKED[0]:05d}.png").read_bytes()
+    (tmp_path / "torn.png").write_bytes(whole[: len(whole) // 2])
+    code = cli.main(["predict", str(mlp_run), str(tmp_path), "--json"])
+    captured = capsys.readouterr()
+    document = json.loads(captured.out)
+    assert code == 1
+    assert sorted(f["path"].rsplit("/", 1)[1] for f in document["failures"]) == ["notes.png", "torn.png"]
+    assert len(document["predictions"]) == 3
+    assert sum("notes.png: not a readable image" in line for line in captured.err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["{run}", "{missing}"], "no such file or folder"),
+    (["{run}", "{empty}"], "no image files in this folder"),
+    (["{run}", "{empty}", "--top-k", "11"], "--top-k must be between 1 and 10"),
+    (["{empty}", "{empty}"], "not a run directory"),
+])
+def test_predict_usage_faults_exit_2(mlp_run, tmp_path, capsys, argv, fragment):
+    (tmp_path / "empty").mkdir()
+    names = {"run": mlp_run, "missing": tmp_path / "nope.png", "empty": tmp_path / "empty"}
+    code, document = call(capsys, "predict", *[arg.format(**names) for arg in argv])
+    assert code == 2 and fragment in document["error"]["message"]
+
+
+# ---------------------------------------------------------------- export
+
+
+def test_export_all_formats_round_trip_on_the_full_test_set(mlp_run, in_memory, real_dataset, tmp_path, capsys):
+    code, document = call(capsys, "export", str(mlp_run), "--format", "all", "--out", str(tmp_path))
+    assert code == 0
+    onnx_check, hlo_check = document["artifacts"]["onnx"], document["artifacts"]["stablehlo"]
+    assert onnx_check["examples"] == hlo_check["examples"] == 10000
+    assert onnx_check["differing_labels"] == 0 and onnx_check["max_abs_logit_difference"] < 1e-3
+    images = real_dataset.test.images_u8.astype(np.float32) / 255
+    # ONNX, through onnxruntime: every test image labelled as JAX labels it; the summary's accuracy
+    onnx_labels = export.onnx_callable(tmp_path / "model.onnx")(images).argmax(-1)
+    assert np.array_equal(onnx_labels, in_memory)
+    summary = artifacts.read_json(mlp_run / "summary.json")
+    assert np.mean(onnx_labels == real_dataset.test.labels) == summary["test_accuracy"]
+    import onnx
+
+    model = onnx.load(tmp_path / "model.onnx")
+    props = {p.key: p.value for p in model.metadata_props}
+    assert json.loads(props["class_names"]) == list(CLASS_NAMES) and props["model"] == "mlp"
+    assert model.graph.input[0].name == "images" and model.graph.output[0].name == "logits"
+    assert not model.graph.input[0].type.tensor_type.shape.dim[0].HasField("dim_value")  # a dynamic batch
+    # StableHLO: loads and predicts any batch size
+    logits = np.asarray(export.load(tmp_path / "model.stablehlo")(images[:7]))
+    assert logits.shape == (7, 10) and np.array_equal(logits.argmax(-1), in_memory[:7])
+    # safetensors: the very same parameters, and what they are in the metadata
+    trained = run_lib.load_trained(mlp_run)
+    loaded = export.load_safetensors(tmp_path / "model.safetensors")
+    assert jax.tree_util.tree_structure(loaded) == jax.tree_util.tree_structure(trained.params)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(trained.params),
+                                                    strict=True))
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "model.safetensors", "np") as handle:
+        meta = handle.metadata()
+    assert meta["params_digest"] == summary["params_digest"] and meta["model"] == "mlp"
+    assert artifacts.read_json(tmp_path / "export.json")["params_digest"] == summary["params_digest"]
+    assert not any(name.split(".")[0] == "tensorflow" for name in sys.modules)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["cnn", "speedrun"])
+def test_onnx_export_round_trips_for_the_conv_models(model, real_dataset, tmp_path, capsys):
+    train_run(tmp_path / "run", "--model", model, "--steps", "30", "--log-every", "30")
+    capsys.readouterr()  # the training's own summary table
+    code, document = call(capsys, "export", str(tmp_path / "run"), "--format", "onnx", "--out", str(tmp_path / "x"))
+    check = document["artifacts"]["onnx"]
+    assert code == 0 and check["examples"] == 10000 and check["differing_labels"] == check["ties"] == 0
+    summary = artifacts.read_json(tmp_path / "run" / "summary.json")
+    onnx_labels = export.onnx_callable(tmp_path / "x" / "model.onnx")(
+        real_dataset.test.images_u8.astype(np.float32) / 255).argmax(-1)
+    assert np.mean(onnx_labels == real_dataset.test.labels) == summary["test_accuracy"]  # with TTA when it used it
+
+
+def test_export_names_the_extra_when_a_converter_is_missing(mlp_run, tmp_path, capsys, monkeypatch):
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "jax2onnx" else
+                        real_find(name, *a))
+    code, document = call(capsys, "export", str(mlp_run), "--format", "onnx", "--out", str(tmp_path / "x"))
+    assert code == 1 and document["error"]["kind"] == "missing_extra"
+    assert "pip install 'fashionjax[export]'" in document["error"]["message"] and not (tmp_path / "x").exists()
+    code, document = call(capsys, "export", str(mlp_run), "--format", "pdf", "--out", str(tmp_path / "x"))
+    assert code == 2 and "--format must be one of" in document["error"]["message"]
+
+
+def test_export_compare_counts_ties_apart():
+    reference = np.array([[1.0, 3.0], [2.0, 2.0 + 1e-6], [5.0, 1.0]], np.float32)
+    theirs = np.array([[1.0, 3.0], [2.0 + 1e-6, 2.0], [1.0, 5.0]], np.float32)
+    check = export.compare(reference, theirs)
+    assert (check["differing_labels"], check["ties"]) == (2, 1) and check["max_abs_logit_difference"] == 4.0
+
+
+# ---------------------------------------------------------------- TensorBoard
+
+
+def read_events(run_dir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / tensorboard.DIRECTORY))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def assert_events_mirror_the_run(run_dir) -> None:
+    scalars = read_events(run_dir)
+    records = artifacts.read_jsonl(run_dir / "metrics.jsonl")
+    for name in tensorboard.SCALARS:
+        assert scalars[f"train/{name}"] == [(r["step"], float(np.float32(r[name]))) for r in records], name
+    summary = artifacts.read_json(run_dir / "summary.json")
+    for tag, key in tensorboard.FINAL.items():
+        assert scalars[tag] == [(summary["steps"], float(np.float32(summary[key])))], tag
+
+
+def test_tensorboard_scalars_equal_metrics_jsonl_also_after_a_resume(synthetic_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    train_run(run_dir, "--steps", "30", "--log-every", "10", "--batch-size", "64", "--schedule", "constant", "--tensorboard")
+    assert_events_mirror_the_run(run_dir)
+    records = artifacts.read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [10, 20, 30] and {r["lr"] for r in records} == {3e-3}
+    assert cli.main(["train", "--quiet", "--resume", "--run-dir", str(run_dir), "--steps", "50"]) == 0
+    assert_events_mirror_the_run(run_dir)  # no log point twice; the final metrics are the new run's
+    assert [s for s, _ in read_events(run_dir)["train/loss"]] == [10, 20, 30, 40, 50]
+
+
+def test_tensorboard_without_its_extra_is_refused_before_anything_is_written(synthetic_cli, tmp_path, capsys,
+                                                                              monkeypatch):
+    monkeypatch.setattr(environment, "require_extra", _refuse)
+    code, document = call(capsys, "train", "--steps", "5", "--run-dir", str(tmp_path / "run"), "--tensorboard")
+    assert code == 1 and "pip install 'fashionjax[tb]'" in document["error"]["message"]
+    assert not (tmp_path / "run").exists()
+
+
+def _refuse(extra, modules, feature):
+    raise environment.MissingExtra(f"{feature} needs {modules[0]}: install it with pip install 'fashionjax[{extra}]'")
