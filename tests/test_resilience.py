@@ -376,3 +376,15 @@ def test_an_interrupted_speedrun_goes_on_when_run_again(reference, tmp_path):
     document = json.loads(out)
     assert [row["seed"] for row in document["per_seed"]] == [0, 1]
     assert document["per_seed"][0]["params_digest"] == reference["digest"]
+
+
+def test_tensorboard_events_equal_metrics_after_a_kill_and_resume(reference, tmp_path):
+    from test_use import assert_events_mirror_the_run
+
+    run_dir = tmp_path / "run"
+    process = start(run_dir, "--tensorboard")
+    wait_for(lambda: finalized(run_dir, 60)() and max(steps_of(run_dir)) >= 80, process)
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    assert resume(run_dir)["params_digest"] == reference["digest"]  # the events change nothing else
+    assert_events_mirror_the_run(run_dir)  # the log points past step 60 were dropped and written once again

@@ -195,6 +195,10 @@ def test_onnx_export_round_trips_for_the_conv_models(model, real_dataset, tmp_pa
     onnx_labels = export.onnx_callable(tmp_path / "x" / "model.onnx")(
         real_dataset.test.images_u8.astype(np.float32) / 255).argmax(-1)
     assert np.mean(onnx_labels == real_dataset.test.labels) == summary["test_accuracy"]  # with TTA when it used it
+    for index in PICKED[:4]:
+        Image.fromarray(real_dataset.test.images_u8[index]).save(tmp_path / f"{index:05d}.png")
+    code, document = call(capsys, "predict", str(tmp_path / "run"), *[str(p) for p in tmp_path.glob("*.png")])
+    assert code == 0 and len(document["predictions"]) == 4
 
 
 def test_export_names_the_extra_when_a_converter_is_missing(mlp_run, tmp_path, capsys, monkeypatch):
