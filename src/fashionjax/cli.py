@@ -64,11 +64,11 @@ def _recipe_model(argv: list[str]) -> str:
     return "mlp"
 
 
-def _config_flags(parser: argparse.ArgumentParser, recipe: TrainConfig) -> None:
+def _config_flags(parser: argparse.ArgumentParser, recipe: TrainConfig, skip: tuple[str, ...] = ()) -> None:
     """One flag per TrainConfig field that carries help metadata; defaults shown are the recipe's."""
     length = parser.add_mutually_exclusive_group()
     for field in dataclasses.fields(TrainConfig):
-        if "help" not in field.metadata:
+        if "help" not in field.metadata or field.name in skip:
             continue
         flag = "--" + field.name.replace("_", "-")
         default = getattr(recipe, field.name)
@@ -145,7 +145,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     speedrun_cmd.add_argument("--target", type=float, default=0.94,
                               help="test accuracy a seed must reach (default 0.94)")
     speedrun_cmd.add_argument("--out", help="output directory (default runs/speedrun-<UTC time>)")
-    _config_flags(speedrun_cmd, config_lib.default(speedrun_model))
+    _config_flags(speedrun_cmd, config_lib.default(speedrun_model), skip=("seeds",))  # its own --seeds: one run each
     speedrun_cmd.add_argument("--devices", type=_devices, default="all", help="how many local devices to use, or 'all'")
     _data_flags(speedrun_cmd)
     _common(speedrun_cmd)
@@ -243,17 +243,17 @@ def cmd_train(args, out, stops: StopRequests) -> int:
     return EXIT_OK
 
 
-def _explicit_config(args) -> dict:
+def _explicit_config(args, skip: tuple[str, ...] = ()) -> dict:
     """The TrainConfig fields given on the command line."""
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-            if "help" in f.metadata and getattr(args, f.name) is not None}
+            if "help" in f.metadata and f.name not in skip and getattr(args, f.name) is not None}
 
 
 def cmd_speedrun(args, out, stops: StopRequests) -> int:
     from fashionjax import config as config_lib
     from fashionjax import console, speedrun, train_command
 
-    explicit = {"model": "speedrun", **_explicit_config(args)}
+    explicit = {"model": "speedrun", **_explicit_config(args, skip=("seeds",))}  # its --seeds: separate runs
     config = config_lib.validate(train_command.fresh_config(explicit))
     if args.seeds < 1 or config.seed + args.seeds - 1 > config_lib.MAX_SEED:
         raise ConfigError(f"--seeds must be at least 1 and end at seed {config_lib.MAX_SEED} or below, got {args.seeds}")
@@ -285,7 +285,7 @@ def cmd_predict(args, out) -> int:
     paths = predict.image_paths(args.paths)
     trained = run_lib.load_trained(run_dir, out.note)
     config = trained.config
-    classify = evaluate.classifier(config.model, trained.params, config.dtype, config.tta)
+    classify = evaluate.classifier(config.model, trained.params, config.dtype, config.tta, config.seeds)
     predictions, failures = predict.predict(classify, paths)
     rows = [item.to_dict(CLASS_NAMES, args.top_k) for item in predictions]
     for failure in failures:
@@ -360,8 +360,11 @@ def cmd_eval(args, out) -> int:
     dataset = _load_data(args, out)
     scored = run_lib.rescore(run_dir, dataset, distributed.make_mesh("all"), out.note)
     report = scored["report"]
+    members = [(f"  seed {m['seed']}", f"{100 * m['test_accuracy']:.2f}%" if m["finite"] else "diverged")
+               for m in report.get("members", [])]
+    accuracy = "ensemble test accuracy" if members else "test accuracy"
     out.show(console.table(f"evaluation of {run_dir}", ["", ""], [
-        ("test accuracy", f"{100 * report['accuracy']:.2f}% ({report['correct']:,} of {report['examples']:,})"),
+        (accuracy, f"{100 * report['accuracy']:.2f}% ({report['correct']:,} of {report['examples']:,})"), *members,
         *([("without flip TTA", f"{100 * report['accuracy_no_tta']:.2f}%")] if report["tta"] else []),
         ("test loss", f"{report['loss']:.4f}"), ("checkpoint step", report["step"]),
         ("params digest", report["params_digest"][:16])]))

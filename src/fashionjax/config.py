@@ -49,6 +49,8 @@ class TrainConfig:
     tensorboard: bool = _flag("also write TensorBoard event files into RUN_DIR/tensorboard (needs the tb extra)",
                               False)
     seed: int = _flag(f"root of all randomness, 0..{MAX_SEED}", 0)
+    seeds: int = _flag("train the models of seeds seed .. seed+N-1 together, in one compiled program; the "
+                       "summary gives each, their mean ± std and their ensemble", 1)
     log_every: int = _flag("steps per compiled chunk and log point (capped at the run's length)", 25)
     checkpoint_every: int | None = _flag("steps between checkpoints (unset: once an epoch)", None)
     keep: int = _flag("checkpoints to keep", 3)
@@ -77,6 +79,8 @@ def validate(config: TrainConfig) -> TrainConfig:
     _require(config.clip_norm is None or (math.isfinite(config.clip_norm) and config.clip_norm > 0),
              f"clip norm must be a positive number, got {config.clip_norm}")
     _require(0 <= config.seed <= MAX_SEED, f"--seed must be between 0 and {MAX_SEED}, got {config.seed}")
+    _require(config.seeds >= 1 and config.seed + config.seeds - 1 <= MAX_SEED,
+             f"--seeds must be at least 1 and end at seed {MAX_SEED} or below, got {config.seeds}")
     _require(config.momentum >= 0 and math.isfinite(config.momentum), f"--momentum must be >= 0, got {config.momentum}")
     _require(config.batch_size >= 1, f"batch size must be at least 1, got {config.batch_size}")
     _require(config.eval_batch_size >= 1, f"eval batch size must be at least 1, got {config.eval_batch_size}")
@@ -113,7 +117,7 @@ def codelab() -> TrainConfig:
 # length is checked through the plan; cadences (log_every, checkpoint_every, keep) may change.
 TRAJECTORY_FIELDS = ("model", "batch_size", "optimizer", "lr", "schedule", "warmup_steps", "weight_decay",
                      "momentum", "clip_norm", "dtype", "augment", "max_shift", "alternate_flips", "label_smoothing",
-                     "seed")
+                     "seed", "seeds")
 
 
 def differences(saved: dict, wanted: dict, names) -> list[str]:

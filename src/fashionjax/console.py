@@ -164,7 +164,26 @@ def show_summary(out: Output, summary: dict, run_dir: Path) -> None:
         ("params digest", summary["params_digest"][:16]),
         ("run directory", str(run_dir)),
     ]
+    if summary.get("per_seed"):  # several models: each seed, the spread and the ensemble
+        at = [name for name, _ in rows].index("test accuracy")
+        rows[at:at + 1] = member_rows(summary)
+        rows = [("model-examples/sec (steady)" if name.startswith("examples/sec") else name, value)
+                for name, value in rows]
     out.show(table("training summary", ["", ""], rows))
+
+
+def member_rows(summary: dict) -> list[tuple[str, str]]:
+    """A multi-model run's accuracy rows: mean ± sample std over the named seeds, each seed, the ensemble."""
+    std = summary["test_accuracy_std"]
+    seeds = [row["seed"] for row in summary["per_seed"]]
+    spread = f" ± {100 * std:.2f}" if std is not None else ""
+    rows = [("test accuracy", f"{100 * summary['test_accuracy']:.2f}%{spread} (mean ± std, seeds "
+                              f"{seeds[0]}-{seeds[-1]}" + (", flip TTA)" if summary["tta"] else ")"))]
+    rows += [(f"  seed {row['seed']}", "diverged" if row["seed"] in summary["diverged_seeds"] else
+              f"{100 * row['test_accuracy']:.2f}%") for row in summary["per_seed"]]
+    rows.append((f"ensemble of {summary['ensemble_members']}", f"{100 * summary['ensemble_test_accuracy']:.2f}% "
+                                                                "(mean of the members' probabilities)"))
+    return rows
 
 
 class Progress:

@@ -24,11 +24,21 @@ def scored_logits(model: models.Model, params, images, dtype, tta: bool):
     return ((plain + model.apply(params, images[:, :, ::-1], dtype)) / 2 if tta else plain), plain
 
 
-def classifier(model_name: str, params, dtype: str = "float32", tta: bool = False):
+def classifier(model_name: str, params, dtype: str = "float32", tta: bool = False, members: int = 1):
     """The trained model as one pure function: images (B, 28, 28) float32 in [0, 1] -> logits (B, 10),
-    scored as the run was evaluated (with flip TTA when it used it); what predict and export use."""
+    scored as the run was evaluated (with flip TTA when it used it); what predict and export use.
+
+    For a multi-model run (params stacked over members) it is the ensemble: the log of the finite
+    members' mean probabilities, so that a softmax of it gives exactly that mean.
+    """
     model = models.get(model_name)
-    return lambda images: scored_logits(model, params, images, compute_dtype(dtype), tta)[0]
+
+    def one(member_params, images):
+        return scored_logits(model, member_params, images, compute_dtype(dtype), tta)[0]
+
+    if members == 1:
+        return lambda images: one(params, images)
+    return lambda images: jnp.log(jnp.nanmean(jax.nn.softmax(jax.vmap(one, (0, None))(params, images)), axis=0))
 
 
 def make_predict(model: models.Model, dtype, mesh, tta: bool = False):
@@ -126,3 +136,49 @@ def metrics(labels: np.ndarray, predictions: np.ndarray, losses: np.ndarray, num
         "recall": recall.tolist(),
         "most_confused": [{"true": t, "predicted": p, "count": c} for c, t, p in off_diagonal[:10]],
     }
+
+
+def run_members(stacked_params, model_name: str, images_u8: np.ndarray, labels: np.ndarray, seeds: list[int],
+                dtype: str = "float32", batch_size: int = 1000, tta: bool = False) -> dict:
+    """Score every member of a multi-model run and their ensemble on every example once.
+
+    The ensemble averages the finite members' softmax probabilities (not their accuracies or
+    logits). Returns eval.json's document (the ensemble's metrics, with every member's under
+    "members") plus the ensemble's per-example predictions and confidence.
+    """
+    model = models.get(model_name)
+    compute = compute_dtype(dtype)
+
+    def log_probs(stacked, images_u8):  # (M, B, 10) log-probabilities and (M, B) labels without TTA
+        images = scale_images(images_u8).reshape(-1, models.IMAGE_SIDE, models.IMAGE_SIDE)
+
+        def one(params):
+            logits, plain = scored_logits(model, params, images, compute, tta)
+            return jax.nn.log_softmax(logits), jnp.argmax(plain, -1)
+
+        return jax.vmap(one)(stacked)
+
+    batches, _, num_real = pad_to_batches(images_u8, labels, batch_size)
+    score = jax.jit(log_probs)
+    tic = time.perf_counter()
+    outputs = [jax.device_get(score(stacked_params, batch)) for batch in batches]  # deliberate sync: results
+    seconds = time.perf_counter() - tic
+    member_log_probs = np.concatenate([o[0] for o in outputs], axis=1)[:, :num_real]  # (M, N, 10)
+    member_plain = np.concatenate([o[1] for o in outputs], axis=1)[:, :num_real]
+    rows = np.arange(num_real)
+    finite = np.isfinite(member_log_probs).all(axis=(1, 2))
+    members = []
+    for i, seed in enumerate(seeds):
+        predictions = member_log_probs[i].argmax(-1)
+        members.append({"seed": seed, "test_accuracy": float(np.mean(predictions == labels)),
+                        "test_accuracy_no_tta": float(np.mean(member_plain[i] == labels)),
+                        "test_loss": float(-member_log_probs[i, rows, labels].mean(dtype=np.float64)),
+                        "finite": bool(finite[i])})
+    if not finite.any():
+        raise FloatingPointError("every member's parameters are non-finite: nothing to evaluate")
+    probs = np.exp(member_log_probs[finite].astype(np.float64)).mean(axis=0)  # (N, 10): the ensemble
+    predictions = probs.argmax(-1)
+    report = metrics(labels, predictions, -np.log(np.maximum(probs[rows, labels], 1e-300)))
+    report.update(eval_seconds=seconds, eval_batch_size=batch_size, tta=tta, members=members,
+                  ensemble_members=int(finite.sum()))
+    return {"report": report, "predictions": predictions, "confidence": probs.max(-1)}

@@ -40,13 +40,18 @@ class Plan:
     checkpoint_every: int
     perms_per_chunk: int  # epoch orders one chunk can touch
     seed: int
+    members: int = 1  # models trained together (seeds seed .. seed+members-1), each with its own keys
 
     def epochs(self, step: int) -> float:
         return step / self.steps_per_epoch
 
     def key_data(self, purpose: str) -> np.ndarray:
-        """The raw data of one purpose's key, placeable like any other array."""
-        return np.asarray(jax.random.key_data(root_keys(self.seed)[purpose]))
+        """The raw data of one purpose's key, placeable like any other array: (2,), or (members, 2)
+        with each member's key exactly the key of a single run with its seed."""
+        if self.members == 1:
+            return np.asarray(jax.random.key_data(root_keys(self.seed)[purpose]))
+        return np.stack([np.asarray(jax.random.key_data(root_keys(self.seed + i)[purpose]))
+                         for i in range(self.members)])
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -80,12 +85,13 @@ def resolve(config: TrainConfig, num_examples: int, device_count: int = 1,
         checkpoint_every=config.checkpoint_every or steps_per_epoch,
         perms_per_chunk=log_every // steps_per_epoch + 2,
         seed=config.seed,
+        members=config.seeds,
     )
 
 
 # What must be equal for a resumed run to continue the same trajectory (the device count is not:
 # the data order and the steps do not depend on it).
-TRAJECTORY = ("batch_size", "num_examples", "steps_per_epoch", "schedule_steps", "seed")
+TRAJECTORY = ("batch_size", "num_examples", "steps_per_epoch", "schedule_steps", "seed", "members")
 
 
 def differences(saved: dict, plan: Plan) -> list[str]:

@@ -16,6 +16,7 @@ from fashionjax import (
     artifacts,
     checkpoint,
     data,
+    distributed,
     environment,
     evaluate,
     models,
@@ -89,7 +90,8 @@ def train(config: TrainConfig, plan: Plan, dataset: data.Dataset, run_dir: RunDi
         start = None
         if resume:
             model = models.get(config.model)
-            template = train_lib.init_state(model, train_lib.make_optimizer(config, plan.schedule_steps), config.seed)
+            template = train_lib.init_state(model, train_lib.make_optimizer(config, plan.schedule_steps), config.seed,
+                                            config.seeds)
             step, state, meta = checkpointer.restore_latest(template, hooks.on_note)
             checkpoint.check_resume(meta, config, plan)
             if is_writer():  # log points past the checkpoint will be run (and logged) again
@@ -117,8 +119,7 @@ def train(config: TrainConfig, plan: Plan, dataset: data.Dataset, run_dir: RunDi
 
 def finish(config: TrainConfig, result: train_lib.FitResult, dataset: data.Dataset, run_dir: RunDir, mesh) -> dict:
     """Evaluate on the whole test set and write every artifact; returns summary.json."""
-    scored = evaluate.run(result.state.params, config.model, dataset.test.images_u8, dataset.test.labels,
-                          config.dtype, config.eval_batch_size, mesh, config.tta)
+    scored = score(config, result.state.params, dataset, mesh)
     summary = make_summary(config, result, scored["report"], mesh)
     if is_writer():
         write_eval_artifacts(run_dir, scored, dataset)
@@ -131,12 +132,46 @@ def finish(config: TrainConfig, result: train_lib.FitResult, dataset: data.Datas
     return summary
 
 
+def score(config: TrainConfig, params, dataset: data.Dataset, mesh) -> dict:
+    """Evaluate on the whole test set: the model, or every member of a multi-model run and their ensemble."""
+    test = dataset.test
+    if config.seeds == 1:
+        return evaluate.run(params, config.model, test.images_u8, test.labels, config.dtype,
+                            config.eval_batch_size, mesh, config.tta)
+    seeds = list(range(config.seed, config.seed + config.seeds))
+    scored = evaluate.run_members(distributed.fetch(params), config.model, test.images_u8, test.labels, seeds,
+                                  config.dtype, config.eval_batch_size, config.tta)
+    for member, member_params in zip(scored["report"]["members"], train_lib.unstack(params, config.seeds),
+                                     strict=True):
+        member["params_digest"] = train_lib.params_digest(member_params)
+    return scored
+
+
+def member_figures(report: dict) -> dict:
+    """summary.json's keys for a multi-model run: the finite members' mean ± sample std, each member, the
+    ensemble."""
+    members = report["members"]
+    finite = [m for m in members if m["finite"]]
+    accuracies = np.array([m["test_accuracy"] for m in finite])
+    return {
+        "test_accuracy": float(accuracies.mean()),
+        "test_accuracy_std": float(accuracies.std(ddof=1)) if len(finite) > 1 else None,
+        "test_accuracy_no_tta": float(np.mean([m["test_accuracy_no_tta"] for m in finite])),
+        "test_loss": float(np.mean([m["test_loss"] for m in finite])),
+        "per_seed": [{key: m[key] for key in ("seed", "test_accuracy", "test_loss", "params_digest")}
+                     for m in members],
+        "diverged_seeds": [m["seed"] for m in members if not m["finite"]],
+        "ensemble_test_accuracy": report["accuracy"],
+        "ensemble_members": report["ensemble_members"],
+    }
+
+
 def make_summary(config: TrainConfig, result: train_lib.FitResult, report: dict, mesh) -> dict:
     env = environment.describe()
     plan, stats = result.plan, result.stats
     return {
         "model": config.model,
-        "params": models.count_params(result.state.params),
+        "params": models.count_params(result.state.params) // config.seeds,  # per model
         "steps": plan.total_steps,
         "epochs": round(plan.epochs(plan.total_steps), 4),
         "batch_size": config.batch_size,
@@ -162,6 +197,8 @@ def make_summary(config: TrainConfig, result: train_lib.FitResult, report: dict,
         "process_count": env["process_count"],
         "jax_version": env["jax_version"],
         "fashionjax_version": fashionjax.__version__,
+        "seeds": config.seeds,
+        **(member_figures(report) if config.seeds > 1 else {}),
     }
 
 
@@ -172,6 +209,10 @@ def write_eval_artifacts(run_dir: RunDir, scored: dict, dataset: data.Dataset) -
     names = dataset.class_names
     artifacts.atomic_write_json(run_dir.file("eval.json"), dict(report, class_names=list(names)))
     plots.confusion(np.asarray(report["confusion"]), names, run_dir.file("confusion.png"))
+    finite = [m for m in report.get("members", []) if m["finite"]]
+    if finite:
+        plots.strip([m["test_accuracy"] for m in finite], [m["seed"] for m in finite], report["accuracy"],
+                    "Each member's test accuracy", run_dir.file("members.png"), target_name="ensemble")
     sample = np.random.default_rng(PREDICTION_SEED).choice(len(test.labels), size=25, replace=False)
     plots.image_grid(test.images_u8[sample], test.labels[sample], predictions[sample], names,
                      run_dir.file("predictions.png"), "Sample test predictions")
@@ -199,7 +240,7 @@ def load_trained(run_dir: str | Path, note=lambda message: None) -> Trained:
         raise config_lib.ConfigError(f"{run_dir}: not a run directory (no config.json)")
     config = TrainConfig(**artifacts.read_json(run_dir / "config.json")["config"])
     model = models.get(config.model)
-    template = train_lib.init_state(model, train_lib.make_optimizer(config, 1), config.seed)
+    template = train_lib.init_state(model, train_lib.make_optimizer(config, 1), config.seed, config.seeds)
     step, state, _ = checkpoint.read_latest(run_dir / "checkpoints", template, note)
     return Trained(run_dir, config, step, state.params)
 
@@ -207,9 +248,7 @@ def load_trained(run_dir: str | Path, note=lambda message: None) -> Trained:
 def rescore(run_dir: Path, dataset: data.Dataset, mesh, note=lambda message: None) -> dict:
     """Evaluate the newest intact checkpoint of a run again on the whole test set, touching nothing."""
     trained = load_trained(run_dir, note)
-    config = trained.config
-    scored = evaluate.run(trained.params, config.model, dataset.test.images_u8,
-                          dataset.test.labels, config.dtype, config.eval_batch_size, mesh, config.tta)
+    scored = score(trained.config, trained.params, dataset, mesh)
     scored["report"]["step"] = trained.step
     scored["report"]["params_digest"] = train_lib.params_digest(trained.params)
     return scored

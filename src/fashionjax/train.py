@@ -119,10 +119,26 @@ def make_train_step(model: models.Model, optimizer: optax.GradientTransformation
     return train_step
 
 
-def init_state(model: models.Model, optimizer, seed: int) -> TrainState:
-    """The fresh state of a run: parameters from the seed's init stream, step 0."""
+def init_state(model: models.Model, optimizer, seed: int, members: int = 1) -> TrainState:
+    """The fresh state of a run: parameters from the seed's init stream, step 0.
+
+    With members > 1 every leaf gains a leading axis: member i is the state of a single run with
+    seed + i.
+    """
+    if members > 1:
+        return stack([init_state(model, optimizer, seed + i) for i in range(members)])
     params = model.init(root_keys(seed)["init"])
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+
+def stack(trees: list):
+    """Trees of equal structure -> one tree whose leaves have a leading member axis."""
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+def unstack(tree, members: int) -> list:
+    """The inverse of stack."""
+    return [jax.tree.map(lambda leaf, i=i: leaf[i], tree) for i in range(members)]
 
 
 def epoch_permutations(data_key_data, first_epoch, count: int, num_examples: int):
@@ -140,15 +156,17 @@ def epoch_permutations(data_key_data, first_epoch, count: int, num_examples: int
 
 
 @functools.lru_cache(maxsize=8)
-def _placed_permutations(mesh):
+def _placed_permutations(mesh, members: bool):
     replicated = distributed.replicated(mesh)
-    return jax.jit(epoch_permutations, static_argnums=(2, 3), out_shardings=replicated)
+    orders = jax.vmap(epoch_permutations, in_axes=(0, None, None, None)) if members else epoch_permutations
+    return jax.jit(orders, static_argnums=(2, 3), out_shardings=replicated)
 
 
 def place_orders(key_data, first_epoch: int, count: int, num_examples: int, mesh):
-    """The orders a chunk starting in first_epoch may read, computed on the mesh: (epoch_index, perms)."""
+    """The orders a chunk starting in first_epoch may read, computed on the mesh: (epoch_index, perms);
+    key_data (members, 2) gives each member its own orders, (members, count, num_examples)."""
     epoch_index = distributed.put_replicated(np.int32(first_epoch), mesh)
-    return epoch_index, _placed_permutations(mesh)(key_data, epoch_index, count, num_examples)
+    return epoch_index, _placed_permutations(mesh, key_data.ndim == 2)(key_data, epoch_index, count, num_examples)
 
 
 def augment_batch(key, images_u8, max_shift: int = 1, flips=None):
@@ -182,33 +200,42 @@ def alternating_flips(key, indices, epoch):
     return coins ^ (epoch % 2 == 1)
 
 
-def make_augment(config: TrainConfig, plan: Plan) -> Callable | None:
-    """augment(step, images_u8, indices) -> images_u8 for a run with --augment, else None.
+def make_augment(config: TrainConfig) -> Callable | None:
+    """augment(step, images_u8, indices, keys) -> images_u8 for a run with --augment, else None.
 
-    Each batch's key is folded from the step into the run's augmentation stream (and alternating
-    flips read the example indices and the epoch), so the augmentation is a pure function of the
-    seed and the step: resume stays bit-identical.
+    keys holds the raw key data of the run's "augment" and "flips" streams (augment_keys). Each
+    batch's key is folded from the step into the augmentation stream (and alternating flips read
+    the example indices and the epoch), so the augmentation is a pure function of the seed and the
+    step: resume stays bit-identical.
     """
     if not config.augment:
         return None
-    key_data, flips_key_data = plan.key_data("augment"), plan.key_data("flips")
 
-    def augment(step, images_u8, indices):
+    def augment(step, images_u8, indices, keys, steps_per_epoch):
         flips = None
         if config.alternate_flips:
-            flips = alternating_flips(jax.random.wrap_key_data(flips_key_data), indices, step // plan.steps_per_epoch)
-        return augment_batch(jax.random.fold_in(jax.random.wrap_key_data(key_data), step), images_u8,
+            flips = alternating_flips(jax.random.wrap_key_data(keys["flips"]), indices, step // steps_per_epoch)
+        return augment_batch(jax.random.fold_in(jax.random.wrap_key_data(keys["augment"]), step), images_u8,
                              config.max_shift, flips)
 
     return augment
 
 
+def augment_keys(plan: Plan) -> dict[str, np.ndarray]:
+    """The raw key data augmentation reads: {"augment", "flips"}, (2,) or (members, 2) each."""
+    return {purpose: plan.key_data(purpose) for purpose in ("augment", "flips")}
+
+
 def make_chunk(train_step: Callable, num_steps: int, plan: Plan, mesh, augment: Callable | None = None):
-    """run_chunk(state, perms, first_epoch, images_u8, labels) -> (state, metrics of every step)."""
+    """run_chunk(state, perms, first_epoch, images_u8, labels, keys) -> (state, metrics of every step).
+
+    For several members the chunk is vmapped: state, perms and keys carry a leading member axis,
+    the images and labels are shared.
+    """
     batch_sharding = distributed.batch_sharded(mesh)
     steps_per_epoch, batch_size = plan.steps_per_epoch, plan.batch_size
 
-    def run_chunk(state: TrainState, perms, first_epoch, images_u8, labels):
+    def run_chunk(state: TrainState, perms, first_epoch, images_u8, labels, keys):
         def body(state, _):
             epoch = state.step // steps_per_epoch
             offset = (state.step % steps_per_epoch) * batch_size
@@ -217,12 +244,12 @@ def make_chunk(train_step: Callable, num_steps: int, plan: Plan, mesh, augment: 
             batch_images = jax.lax.with_sharding_constraint(images_u8[indices], batch_sharding)  # (B, 784)
             batch_labels = jax.lax.with_sharding_constraint(labels[indices], batch_sharding)
             if augment is not None:
-                batch_images = augment(state.step, batch_images, indices)
+                batch_images = augment(state.step, batch_images, indices, keys, steps_per_epoch)
             return train_step(state, batch_images, batch_labels)
 
         return jax.lax.scan(body, state, None, length=num_steps)
 
-    return run_chunk
+    return jax.vmap(run_chunk, in_axes=(0, 0, None, None, None, 0)) if plan.members > 1 else run_chunk
 
 
 def compile_chunk(train_step: Callable, num_steps: int, plan: Plan, mesh, args, augment: Callable | None = None):
@@ -297,7 +324,8 @@ def fit(
     model = models.get(config.model)
     optimizer = make_optimizer(config, plan.schedule_steps)
     train_step = make_train_step(model, optimizer, compute_dtype(config.dtype), config.label_smoothing)
-    state, stats = start if start is not None else (init_state(model, optimizer, config.seed), TrainStats())
+    state, stats = start if start is not None else (init_state(model, optimizer, config.seed, plan.members),
+                                                    TrainStats())
     stats = dataclasses.replace(stats)  # a copy: the caller's figures stay as they were
     wall_before = stats.wall_seconds
     chunks_run = 0  # in this process lifetime: its first chunk is the warm-up
@@ -306,11 +334,13 @@ def fit(
     key_data = distributed.put_replicated(plan.key_data("data"), mesh)
     images_u8 = distributed.put_replicated(train_images_u8.reshape(plan.num_examples, -1), mesh)  # (N, 784) uint8
     labels = distributed.put_replicated(train_labels.astype(np.int32), mesh)
+    keys = {purpose: distributed.put_replicated(data, mesh) for purpose, data in augment_keys(plan).items()}
 
-    step = int(distributed.fetch(state.step))  # deliberate sync: once, before the loop
+    step = int(np.ravel(distributed.fetch(state.step))[0])  # deliberate sync: once, before the loop
+    healthy = finite_members(state.params, plan.members)  # a member diverged before a resume stays so
     compiled: dict[int, Any] = {}
     perms, epoch_index, perms_epoch = None, None, None
-    augment = make_augment(config, plan)
+    augment = make_augment(config)
     learning_rate = lr_schedule(config, plan.schedule_steps)
     while step < plan.total_steps:
         end = min((step // plan.log_every + 1) * plan.log_every, plan.total_steps)
@@ -321,7 +351,7 @@ def fit(
                 epoch_index, perms = place_orders(key_data, first_epoch, plan.perms_per_chunk, plan.num_examples,
                                                   mesh)
                 perms_epoch = first_epoch
-            args = (state, perms, epoch_index, images_u8, labels)
+            args = (state, perms, epoch_index, images_u8, labels, keys)
             if num_steps not in compiled:
                 tic = time.perf_counter()
                 compiled[num_steps] = compile_chunk(train_step, num_steps, plan, mesh, args, augment)
@@ -334,21 +364,20 @@ def fit(
             seconds = time.perf_counter() - tic
             host_metrics = distributed.fetch(chunk_metrics)  # deliberate sync: the log point
         stats.wall_seconds = wall_before + time.perf_counter() - started
-        record = {
-            "step": end,
-            "epoch": round(plan.epochs(end), 4),
-            "loss": float(host_metrics["loss"].mean()),
-            "accuracy": float(host_metrics["accuracy"].mean()),
-            "grad_norm": float(host_metrics["grad_norm"].mean()),
-            "lr": float(learning_rate(end - 1)),  # the chunk's last update's
-            "examples_per_sec": num_steps * plan.batch_size / seconds,
-            "elapsed_s": stats.wall_seconds,
-        }
+        record, now = log_record(host_metrics, healthy, step, end, plan, seconds, stats.wall_seconds)
+        if now.any() and not now.all() and (healthy != now).any():
+            hooks.on_note(f"seed(s) {', '.join(str(plan.seed + i) for i in np.flatnonzero(healthy & ~now))} diverged "
+                          f"by step {end}: the other members go on, and the summary leaves these out")
+        healthy = now
+        record["lr"] = float(learning_rate(end - 1))  # the chunk's last update's
         if metrics_path is not None and jax.process_index() == 0:
             artifacts.append_jsonl(metrics_path, [record])  # kept even when this chunk diverged
-        _check_finite(host_metrics, step)
+        if not healthy.any():
+            _check_finite(host_metrics, step)
         step = end
-        stats.add_chunk(num_steps * plan.batch_size, seconds, float(host_metrics["loss"][-1]), warm_up=chunks_run == 0)
+        last_losses = np.asarray(host_metrics["loss"]).reshape(plan.members, -1)[healthy, -1]
+        stats.add_chunk(num_steps * plan.batch_size * plan.members, seconds, float(last_losses.mean()),
+                        warm_up=chunks_run == 0)
         chunks_run += 1
         hooks.on_log(record)
         signum = hooks.stop_signal()
@@ -360,6 +389,36 @@ def fit(
 
     stats.wall_seconds = wall_before + time.perf_counter() - started
     return FitResult(state=state, plan=plan, stats=stats)
+
+
+def log_record(host_metrics: dict, healthy: np.ndarray, first_step: int, end: int, plan: Plan, seconds: float,
+               elapsed: float) -> tuple[dict, np.ndarray]:
+    """One metrics.jsonl record from a chunk's metrics ((steps,) each, or (members, steps)), and which
+    members are still finite. Several members: the figures are the finite members' means, each
+    member's own under member_<name>, and the seeds that diverged (they keep training, harmlessly)."""
+    per_member = {name: np.asarray(host_metrics[name]).reshape(plan.members, -1) for name in ("loss", "accuracy",
+                                                                                              "grad_norm")}
+    finite = np.isfinite(per_member["loss"]).all(-1) & np.isfinite(per_member["grad_norm"]).all(-1)
+    now = healthy & finite
+    shown = now if now.any() else np.ones_like(now)  # all diverged: the record shows the NaNs
+    record = {
+        "step": end,
+        "epoch": round(plan.epochs(end), 4),
+        **{name: float(values[shown].mean()) for name, values in per_member.items()},
+        "examples_per_sec": (end - first_step) * plan.batch_size * plan.members / seconds,
+        "elapsed_s": elapsed,
+    }
+    if plan.members > 1:
+        record.update({f"member_{name}": values.mean(-1).tolist() for name, values in per_member.items()})
+        record["diverged_seeds"] = [plan.seed + i for i in np.flatnonzero(~now)]
+    return record, now
+
+
+def finite_members(params, members: int) -> np.ndarray:
+    """(members,) bool: whose parameters are all finite (a deliberate sync, once per fit)."""
+    finite = jax.tree.map(lambda leaf: jnp.isfinite(leaf).reshape(members, -1).all(-1) if members > 1 else
+                          jnp.isfinite(leaf).all()[None], params)
+    return np.asarray(distributed.fetch(jax.tree.reduce(jnp.logical_and, finite)))
 
 
 def _check_finite(host_metrics: dict, first_step: int) -> None:

@@ -124,7 +124,8 @@ def bars(labels: Sequence[str], values: Sequence[float], title: str, unit: str, 
     return _save(fig, path)
 
 
-def strip(values: Sequence[float], names: Sequence, target: float | None, title: str, path) -> Path:
+def strip(values: Sequence[float], names: Sequence, target: float | None, title: str, path,
+          target_name: str = "target") -> Path:
     """Each value as a dot (labelled with its name), their mean as a bar, and the target as a line."""
     fig, ax = plt.subplots(figsize=(7, 2.4))
     percent = 100 * np.asarray(values, dtype=np.float64)
@@ -134,7 +135,7 @@ def strip(values: Sequence[float], names: Sequence, target: float | None, title:
         ax.annotate(str(name), (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
     ax.axvline(percent.mean(), color=LOSS_COLOR, label=f"mean {percent.mean():.2f}%")
     if target is not None:
-        ax.axvline(100 * target, color=WRONG, linestyle="--", label=f"target {100 * target:.2f}%")
+        ax.axvline(100 * target, color=WRONG, linestyle="--", label=f"{target_name} {100 * target:.2f}%")
     ax.set_yticks([])
     ax.set_ylim(-0.5, 0.5)
     ax.set_xlabel("test accuracy (%)")
