@@ -165,20 +165,25 @@ def run_members(stacked_params, model_name: str, images_u8: np.ndarray, labels: 
     seconds = time.perf_counter() - tic
     member_log_probs = np.concatenate([o[0] for o in outputs], axis=1)[:, :num_real]  # (M, N, 10)
     member_plain = np.concatenate([o[1] for o in outputs], axis=1)[:, :num_real]
-    rows = np.arange(num_real)
-    finite = np.isfinite(member_log_probs).all(axis=(1, 2))
-    members = []
-    for i, seed in enumerate(seeds):
-        predictions = member_log_probs[i].argmax(-1)
-        members.append({"seed": seed, "test_accuracy": float(np.mean(predictions == labels)),
-                        "test_accuracy_no_tta": float(np.mean(member_plain[i] == labels)),
-                        "test_loss": float(-member_log_probs[i, rows, labels].mean(dtype=np.float64)),
-                        "finite": bool(finite[i])})
+    scored = ensemble(member_log_probs, member_plain, labels, seeds)
+    scored["report"].update(eval_seconds=seconds, eval_batch_size=batch_size, tta=tta)
+    return scored
+
+
+def ensemble(member_log_probs: np.ndarray, member_plain: np.ndarray, labels: np.ndarray, seeds: list[int]) -> dict:
+    """Each member's figures and their ensemble's, from log-probabilities (M, N, 10) and the labels each
+    member predicts without TTA (M, N). The ensemble averages the finite members' probabilities:
+    neither their accuracies nor a vote."""
+    rows = np.arange(len(labels))
+    finite = ~np.isnan(member_log_probs).any(axis=(1, 2))  # -inf is a certain "no", NaN a diverged member
+    members = [{"seed": seed, "test_accuracy": float(np.mean(member_log_probs[i].argmax(-1) == labels)),
+                "test_accuracy_no_tta": float(np.mean(member_plain[i] == labels)),
+                "test_loss": float(-member_log_probs[i, rows, labels].mean(dtype=np.float64)),
+                "finite": bool(finite[i])} for i, seed in enumerate(seeds)]
     if not finite.any():
         raise FloatingPointError("every member's parameters are non-finite: nothing to evaluate")
-    probs = np.exp(member_log_probs[finite].astype(np.float64)).mean(axis=0)  # (N, 10): the ensemble
+    probs = np.exp(member_log_probs[finite].astype(np.float64)).mean(axis=0)  # (N, 10)
     predictions = probs.argmax(-1)
     report = metrics(labels, predictions, -np.log(np.maximum(probs[rows, labels], 1e-300)))
-    report.update(eval_seconds=seconds, eval_batch_size=batch_size, tta=tta, members=members,
-                  ensemble_members=int(finite.sum()))
+    report.update(members=members, ensemble_members=int(finite.sum()))
     return {"report": report, "predictions": predictions, "confidence": probs.max(-1)}

@@ -1,0 +1,125 @@
+"""Many models in one program: `train --seeds N`, each member the single run of its seed, the spread
+and the ensemble."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_distributed import completed, train_process
+
+from fashionjax import artifacts, cli, evaluate, train
+from fashionjax.plan import Plan
+
+
+def run_json(capsys, *argv) -> dict:
+    code = cli.main(["train", *argv, "--json", "--quiet"])
+    document = json.loads(capsys.readouterr().out)
+    assert code == 0, document
+    return document
+
+
+# Other seeds than the defaults, flips from their own key streams, and a model with batch norm.
+RECIPES = {
+    "mlp": ["--steps", "24", "--log-every", "8", "--batch-size", "64", "--augment", "--alternate-flips"],
+    "speedrun": ["--model", "speedrun", "--steps", "6", "--log-every", "3", "--batch-size", "32", "--no-tta"],
+}
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_member_matches_the_single_run_of_its_seed(recipe, synthetic_cli, tmp_path, capsys):
+    flags = RECIPES[recipe]
+    together = run_json(capsys, *flags, "--seed", "7", "--seeds", "3", "--run-dir", str(tmp_path / "together"))
+    records = artifacts.read_jsonl(tmp_path / "together" / "metrics.jsonl")
+    assert together["seeds"] == 3 and [row["seed"] for row in together["per_seed"]] == [7, 8, 9]
+    for i, seed in enumerate((7, 8, 9)):
+        alone = run_json(capsys, *flags, "--seed", str(seed), "--run-dir", str(tmp_path / f"alone{seed}"))
+        alone_records = artifacts.read_jsonl(tmp_path / f"alone{seed}" / "metrics.jsonl")
+        member = together["per_seed"][i]
+        assert member["test_accuracy"] == alone["test_accuracy"]
+        assert member["test_loss"] == pytest.approx(alone["test_loss"], rel=1e-4)
+        assert [r["member_loss"][i] for r in records] == pytest.approx([r["loss"] for r in alone_records], rel=1e-5)
+    accuracies = [row["test_accuracy"] for row in together["per_seed"]]
+    assert together["test_accuracy"] == pytest.approx(np.mean(accuracies), abs=1e-12)
+    assert together["test_accuracy_std"] == pytest.approx(np.std(accuracies, ddof=1), abs=1e-12)
+    assert 0 < together["ensemble_test_accuracy"] <= 1 and together["diverged_seeds"] == []
+    evaluation = artifacts.read_json(tmp_path / "together" / "eval.json")
+    assert evaluation["accuracy"] == together["ensemble_test_accuracy"] and len(evaluation["members"]) == 3
+    assert (tmp_path / "together" / "members.png").is_file()
+
+
+def test_the_ensemble_averages_probabilities_not_accuracies_or_votes():
+    labels = np.array([0, 1, 2])
+    # Three members, three examples. Member accuracies 2/3, 2/3 and 1/3 (mean 5/9); majority vote
+    # would get example 2 wrong; the mean probabilities get all three right.
+    probs = np.array([
+        [[0.6, 0.4, 0.0], [0.0, 0.9, 0.1], [0.0, 0.6, 0.4]],
+        [[0.9, 0.1, 0.0], [0.0, 0.5, 0.5], [0.6, 0.0, 0.4]],  # example 1 a tie: argmax takes label 1
+        [[0.4, 0.6, 0.0], [0.2, 0.3, 0.5], [0.0, 0.0, 1.0]],
+    ])
+    with np.errstate(divide="ignore"):
+        scored = evaluate.ensemble(np.log(probs), probs.argmax(-1), labels, [5, 6, 7])
+    members = scored["report"]["members"]
+    assert [m["test_accuracy"] for m in members] == pytest.approx([2 / 3, 2 / 3, 1 / 3])
+    assert scored["report"]["accuracy"] == 1.0  # mean probabilities: [.633 .333 0], [.067 .567 .367], [.2 .2 .6]
+    assert list(scored["predictions"]) == [0, 1, 2]
+    assert scored["report"]["loss"] == pytest.approx(-np.mean(np.log([1.9 / 3, 1.7 / 3, 1.8 / 3])))
+
+
+def test_a_diverged_member_is_left_out_and_the_others_keep_their_figures():
+    plan = Plan(batch_size=8, num_examples=64, device_count=1, steps_per_epoch=8, dropped_per_epoch=0,
+                total_steps=16, schedule_steps=16, log_every=4, checkpoint_every=8, perms_per_chunk=2, seed=3,
+                members=3)
+    losses = np.array([[1.0, 0.8, 0.6, 0.4], [1.0, np.nan, np.nan, np.nan], [2.0, 1.8, 1.6, 1.4]])
+    metrics = {"loss": losses, "accuracy": np.full((3, 4), 0.5), "grad_norm": np.ones((3, 4))}
+    record, healthy = train.log_record(metrics, np.ones(3, bool), 4, 8, plan, 2.0, 5.0)
+    assert list(healthy) == [True, False, True] and record["diverged_seeds"] == [4]
+    assert record["loss"] == pytest.approx((0.7 + 1.7) / 2)  # the finite members' mean
+    assert record["examples_per_sec"] == 4 * 8 * 3 / 2.0  # model-examples
+    log_probs = np.log(np.full((3, 2, 10), 0.1))
+    log_probs[1] = np.nan
+    scored = evaluate.ensemble(log_probs, np.zeros((3, 2), int), np.array([0, 1]), [3, 4, 5])
+    assert scored["report"]["ensemble_members"] == 2 and [m["finite"] for m in scored["report"]["members"]] == [
+        True, False, True]
+
+
+@pytest.mark.slow
+def test_a_multi_model_run_killed_and_resumed_is_bit_identical(real_dataset, tmp_path):
+    from test_resilience import finalized, wait_for
+
+    flags = ["--seeds", "2", "--steps", "240", "--batch-size", "1024", "--log-every", "10", "--offline"]
+
+    def train_json(*extra) -> dict:
+        result = subprocess.run([sys.executable, "-m", "fashionjax", "train", *extra, "--json", "--quiet"],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)
+
+    expected = train_json(*flags, "--run-dir", str(tmp_path / "reference"))
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen([sys.executable, "-m", "fashionjax", "train", *flags, "--run-dir", str(run_dir)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    steps = lambda path: [r["step"] for r in artifacts.read_jsonl(path / "metrics.jsonl")]  # noqa: E731
+    wait_for(lambda: finalized(run_dir, 60)() and max(steps(run_dir)) >= 70, process)  # mid-way, past a checkpoint
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    got = train_json("--resume", "--run-dir", str(run_dir), "--offline")
+    assert got["params_digest"] == expected["params_digest"]
+    assert [m["params_digest"] for m in got["per_seed"]] == [m["params_digest"] for m in expected["per_seed"]]
+    assert steps(run_dir) == steps(tmp_path / "reference")
+
+
+@pytest.mark.multiprocess
+def test_members_on_four_devices_equal_one_device(real_dataset, tmp_path):
+    one, four = (train_process(tmp_path / f"run{n}", n, "--seeds", "2", "--seed", "5") for n in (1, 4))
+    one_summary, four_summary = completed(one), completed(four)
+    assert four_summary["device_count"] == 4
+    one_records, four_records = (artifacts.read_jsonl(tmp_path / f"run{n}" / "metrics.jsonl") for n in (1, 4))
+    for a, b in zip(one_records, four_records, strict=True):
+        assert b["member_loss"] == pytest.approx(a["member_loss"], rel=1e-5)
+    for a, b in zip(one_summary["per_seed"], four_summary["per_seed"], strict=True):
+        assert b["test_accuracy"] == pytest.approx(a["test_accuracy"], abs=3e-4)  # a flip or three at most
