@@ -77,7 +77,7 @@ def test_a_diverged_member_is_left_out_and_the_others_keep_their_figures():
     losses = np.array([[1.0, 0.8, 0.6, 0.4], [1.0, np.nan, np.nan, np.nan], [2.0, 1.8, 1.6, 1.4]])
     metrics = {"loss": losses, "accuracy": np.full((3, 4), 0.5), "grad_norm": np.ones((3, 4))}
     record, healthy = train.log_record(metrics, np.ones(3, bool), 4, 8, plan, 2.0, 5.0)
-    assert list(healthy) == [True, False, True] and record["diverged_seeds"] == [4]
+    assert list(healthy) == [True, False, True] and record["diverged_members"] == [1]
     assert record["loss"] == pytest.approx((0.7 + 1.7) / 2)  # the finite members' mean
     assert record["examples_per_sec"] == 4 * 8 * 3 / 2.0  # model-examples
     log_probs = np.log(np.full((3, 2, 10), 0.1))
@@ -123,3 +123,47 @@ def test_members_on_four_devices_equal_one_device(real_dataset, tmp_path):
         assert b["member_loss"] == pytest.approx(a["member_loss"], rel=1e-5)
     for a, b in zip(one_summary["per_seed"], four_summary["per_seed"], strict=True):
         assert b["test_accuracy"] == pytest.approx(a["test_accuracy"], abs=3e-4)  # a flip or three at most
+
+
+def test_a_sweep_puts_each_members_values_in_its_optimizer_state(synthetic_cli, tmp_path, capsys):
+    from fashionjax import checkpoint, config
+
+    run_dir = tmp_path / "sweep"
+    summary = run_json(capsys, "--steps", "12", "--log-every", "4", "--batch-size", "64", "--sweep", "lr=1e-3,3e-3",
+                       "--sweep", "weight-decay=0,1e-4", "--run-dir", str(run_dir))
+    saved = config.TrainConfig(**artifacts.read_json(run_dir / "config.json")["config"])
+    assert saved.sweep == (("lr", (1e-3, 3e-3)), ("weight_decay", (0.0, 1e-4)))
+    _, state, _ = checkpoint.read_latest(run_dir / "checkpoints", train.initial_state(saved, 12))
+    hyper = state.opt_state.hyperparams
+    assert np.asarray(hyper["lr"]).tolist() == pytest.approx([1e-3, 1e-3, 3e-3, 3e-3])
+    assert np.asarray(hyper["weight_decay"]).tolist() == pytest.approx([0, 1e-4, 0, 1e-4])
+    assert [(row["lr"], row["weight_decay"]) for row in summary["sweep"]] == [(1e-3, 0), (1e-3, 1e-4), (3e-3, 0),
+                                                                             (3e-3, 1e-4)]
+    assert summary["best"] == max(summary["sweep"], key=lambda row: row["test_accuracy"])
+    assert all(row["test_examples"] == 500 for row in summary["sweep"]) and (run_dir / "sweep.png").is_file()
+    # the member with the recipe's own values trains as the single run does, to float tolerance
+    alone = run_json(capsys, "--steps", "12", "--log-every", "4", "--batch-size", "64", "--run-dir",
+                     str(tmp_path / "alone"))
+    assert summary["sweep"][3]["test_accuracy"] == pytest.approx(alone["test_accuracy"], abs=2e-3)
+    records = artifacts.read_jsonl(run_dir / "metrics.jsonl")
+    alone_records = artifacts.read_jsonl(tmp_path / "alone" / "metrics.jsonl")
+    assert [r["member_loss"][3] for r in records] == pytest.approx([r["loss"] for r in alone_records], rel=1e-4)
+    assert [r["member_lr"][3] for r in records] == pytest.approx([r["lr"] for r in alone_records], rel=1e-6)
+
+
+def test_a_diverging_member_is_reported_and_the_others_results_stand(synthetic_cli, tmp_path, capsys):
+    summary = run_json(capsys, "--steps", "20", "--log-every", "5", "--batch-size", "64", "--optimizer", "sgd",
+                       "--sweep", "lr=0.05,1e5", "--run-dir", str(tmp_path / "run"))
+    assert [row["diverged"] for row in summary["sweep"]] == [False, True]
+    assert summary["ensemble_members"] == 1 and summary["best"]["lr"] == 0.05
+    assert summary["test_accuracy"] == summary["sweep"][0]["test_accuracy"] > 0.5
+
+
+@pytest.mark.parametrize("sweep, fragment", [("clip=1,2", "only lr, weight-decay, momentum can be swept"),
+                                            ("lr=", "expected NAME=V1,V2"), ("lr=1e-3,x", "comma-separated"),
+                                            ("lr=1e-3,-1", "learning rate must be a positive"),
+                                            ("lr=1e-3,1e-3", "give distinct values")])
+def test_bad_sweeps_exit_2_before_anything_is_written(sweep, fragment, tmp_path, capsys):
+    code = cli.main(["train", "--sweep", sweep, "--run-dir", str(tmp_path / "run"), "--json"])
+    assert code == 2 and fragment in json.loads(capsys.readouterr().out)["error"]["message"]
+    assert not (tmp_path / "run").exists()

@@ -104,6 +104,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                "model's. With --resume, every setting comes from the saved run; only the length and the "
                "cadences may be given.")
     _config_flags(train_cmd, config_lib.default(model))
+    train_cmd.add_argument("--sweep", action="append", metavar="NAME=V1,V2,...",
+                           help="train one model per value (repeat for a grid; with --seeds, every seed at every "
+                                "point) in one program: NAME is lr, weight-decay or momentum")
     train_cmd.add_argument("--run-dir", help="output directory (default runs/<UTC time>-<model>-<suffix>)")
     train_cmd.add_argument("--overwrite", action="store_true",
                            help="replace the fashionjax run in --run-dir (never deletes other files)")
@@ -237,10 +240,22 @@ def cmd_data(args, out) -> int:
 def cmd_train(args, out, stops: StopRequests) -> int:
     from fashionjax import console, train_command
 
-    summary = train_command.run(args, _explicit_config(args), out, stops)
+    explicit = _explicit_config(args)
+    if args.sweep:
+        explicit["sweep"] = tuple(_sweep(text) for text in args.sweep)
+    summary = train_command.run(args, explicit, out, stops)
     console.show_summary(out, summary, Path(summary["run_dir"]))
     out.document(summary)
     return EXIT_OK
+
+
+def _sweep(text: str) -> tuple[str, tuple[float, ...]]:
+    """NAME=V1,V2,... -> (config field name, values)."""
+    name, _, values = text.partition("=")
+    name = name.strip().lstrip("-").replace("-", "_")
+    if not name or not values:
+        raise ConfigError(f"--sweep: expected NAME=V1,V2,..., got {text!r}")
+    return name, _csv(values, float, f"--sweep {name.replace('_', '-')}")
 
 
 def _explicit_config(args, skip: tuple[str, ...] = ()) -> dict:
@@ -274,6 +289,7 @@ def _run_dir(text: str) -> Path:
 
 
 def cmd_predict(args, out) -> int:
+    from fashionjax import config as config_lib
     from fashionjax import console, evaluate, predict
     from fashionjax import run as run_lib
     from fashionjax.data import CLASS_NAMES
@@ -285,7 +301,7 @@ def cmd_predict(args, out) -> int:
     paths = predict.image_paths(args.paths)
     trained = run_lib.load_trained(run_dir, out.note)
     config = trained.config
-    classify = evaluate.classifier(config.model, trained.params, config.dtype, config.tta, config.seeds)
+    classify = evaluate.classifier(config.model, trained.params, config.dtype, config.tta, config_lib.member_count(config))
     predictions, failures = predict.predict(classify, paths)
     rows = [item.to_dict(CLASS_NAMES, args.top_k) for item in predictions]
     for failure in failures:

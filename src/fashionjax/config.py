@@ -55,6 +55,11 @@ class TrainConfig:
     checkpoint_every: int | None = _flag("steps between checkpoints (unset: once an epoch)", None)
     keep: int = _flag("checkpoints to keep", 3)
     eval_batch_size: int = 1000
+    # --sweep: ((name, (value, ...)), ...); one member per point of the grid and seed (sweep.py)
+    sweep: tuple = ()
+
+    def __post_init__(self):  # a config read back from JSON holds lists: make the sweep hashable again
+        object.__setattr__(self, "sweep", tuple((name, tuple(values)) for name, values in self.sweep))
 
 
 def _require(condition: bool, message: str) -> None:
@@ -89,11 +94,37 @@ def validate(config: TrainConfig) -> TrainConfig:
     _require(config.warmup_steps >= 0, f"warmup steps must be >= 0, got {config.warmup_steps}")
     _require(config.checkpoint_every is None or config.checkpoint_every >= 1,
              f"--checkpoint-every must be at least 1, got {config.checkpoint_every}")
+    for name, values in config.sweep:
+        _require(name in SWEEPABLE, f"--sweep {name.replace('_', '-')}: only {', '.join(n.replace('_', '-') for n in SWEEPABLE)} "
+                                    "can be swept (they are data in the optimizer state)")
+        _require(len(values) >= 1 and len(set(values)) == len(values), f"--sweep {name.replace('_', '-')}: give distinct values")
+        for value in values:
+            validate(dataclasses.replace(config, sweep=(), **{name: value}))
+    _require(len({name for name, _ in config.sweep}) == len(config.sweep), "--sweep: each name once")
     if config.steps is not None:
         _require(config.steps >= 1, f"--steps must be at least 1, got {config.steps}")
     else:
         _require(config.epochs is not None and config.epochs >= 1, f"--epochs must be at least 1, got {config.epochs}")
     return config
+
+
+SWEEPABLE = ("lr", "weight_decay", "momentum")  # float hyperparameters of the optimizer
+
+
+def member_configs(config: TrainConfig) -> list[TrainConfig]:
+    """The single-run config of each member of a run: every point of the sweep's grid (the first name
+    varying slowest), and within each point the seeds seed .. seed+seeds-1."""
+    import itertools
+
+    names = [name for name, _ in config.sweep]
+    points = itertools.product(*(values for _, values in config.sweep))
+    return [dataclasses.replace(config, seeds=1, sweep=(), seed=config.seed + i, **dict(zip(names, point, strict=True)))
+            for point in points for i in range(config.seeds)]
+
+
+def member_count(config: TrainConfig) -> int:
+    """How many models a run trains; more than one: its state is stacked on a leading member axis."""
+    return len(member_configs(config))
 
 
 def default(model: str = "mlp") -> TrainConfig:
@@ -117,7 +148,7 @@ def codelab() -> TrainConfig:
 # length is checked through the plan; cadences (log_every, checkpoint_every, keep) may change.
 TRAJECTORY_FIELDS = ("model", "batch_size", "optimizer", "lr", "schedule", "warmup_steps", "weight_decay",
                      "momentum", "clip_norm", "dtype", "augment", "max_shift", "alternate_flips", "label_smoothing",
-                     "seed", "seeds")
+                     "seed", "seeds", "sweep")
 
 
 def differences(saved: dict, wanted: dict, names) -> list[str]:

@@ -177,10 +177,18 @@ def member_rows(summary: dict) -> list[tuple[str, str]]:
     std = summary["test_accuracy_std"]
     seeds = [row["seed"] for row in summary["per_seed"]]
     spread = f" ± {100 * std:.2f}" if std is not None else ""
-    rows = [("test accuracy", f"{100 * summary['test_accuracy']:.2f}%{spread} (mean ± std, seeds "
-                              f"{seeds[0]}-{seeds[-1]}" + (", flip TTA)" if summary["tta"] else ")"))]
-    rows += [(f"  seed {row['seed']}", "diverged" if row["seed"] in summary["diverged_seeds"] else
-              f"{100 * row['test_accuracy']:.2f}%") for row in summary["per_seed"]]
+    over = f"over {len(seeds)} members" if summary.get("sweep") else f"seeds {seeds[0]}-{seeds[-1]}"
+    rows = [("test accuracy", f"{100 * summary['test_accuracy']:.2f}%{spread} (mean ± std, {over}"
+                              + (", flip TTA)" if summary["tta"] else ")"))]
+    if summary.get("sweep"):  # best first, each member named by its values
+        names = [name for name in summary["sweep"][0] if name not in ("seed", "test_accuracy", "test_examples",
+                                                                       "diverged")]
+        ranked = sorted(summary["sweep"], key=lambda row: (row["diverged"], -row["test_accuracy"]))
+        rows += [("  " + " ".join(f"{name}={row[name]:g}" for name in names) + f" seed {row['seed']}",
+                  "diverged" if row["diverged"] else f"{100 * row['test_accuracy']:.2f}%") for row in ranked]
+    else:
+        rows += [(f"  seed {row['seed']}", "diverged" if row["seed"] in summary["diverged_seeds"] else
+                  f"{100 * row['test_accuracy']:.2f}%") for row in summary["per_seed"]]
     rows.append((f"ensemble of {summary['ensemble_members']}", f"{100 * summary['ensemble_test_accuracy']:.2f}% "
                                                                 "(mean of the members' probabilities)"))
     return rows

@@ -40,7 +40,11 @@ class Plan:
     checkpoint_every: int
     perms_per_chunk: int  # epoch orders one chunk can touch
     seed: int
-    members: int = 1  # models trained together (seeds seed .. seed+members-1), each with its own keys
+    members: int = 1  # models trained together (member_seeds), each with its own keys
+    seeds: int = 1  # seeds per point of a sweep: member i has seed + i % seeds
+
+    def member_seeds(self) -> list[int]:
+        return [self.seed + i % self.seeds for i in range(self.members)]
 
     def epochs(self, step: int) -> float:
         return step / self.steps_per_epoch
@@ -50,8 +54,7 @@ class Plan:
         with each member's key exactly the key of a single run with its seed."""
         if self.members == 1:
             return np.asarray(jax.random.key_data(root_keys(self.seed)[purpose]))
-        return np.stack([np.asarray(jax.random.key_data(root_keys(self.seed + i)[purpose]))
-                         for i in range(self.members)])
+        return np.stack([np.asarray(jax.random.key_data(root_keys(seed)[purpose])) for seed in self.member_seeds()])
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -85,15 +88,17 @@ def resolve(config: TrainConfig, num_examples: int, device_count: int = 1,
         checkpoint_every=config.checkpoint_every or steps_per_epoch,
         perms_per_chunk=log_every // steps_per_epoch + 2,
         seed=config.seed,
-        members=config.seeds,
+        members=config_lib.member_count(config),
+        seeds=config.seeds,
     )
 
 
 # What must be equal for a resumed run to continue the same trajectory (the device count is not:
 # the data order and the steps do not depend on it).
-TRAJECTORY = ("batch_size", "num_examples", "steps_per_epoch", "schedule_steps", "seed", "members")
+TRAJECTORY = ("batch_size", "num_examples", "steps_per_epoch", "schedule_steps", "seed", "members", "seeds")
 
 
 def differences(saved: dict, plan: Plan) -> list[str]:
     """'name saved -> new' for every trajectory quantity that differs."""
+    saved = {"members": 1, "seeds": 1, **saved}  # plans saved before multi-model runs existed
     return config_lib.differences(saved, plan.to_dict(), TRAJECTORY)

@@ -89,9 +89,7 @@ def train(config: TrainConfig, plan: Plan, dataset: data.Dataset, run_dir: RunDi
     try:
         start = None
         if resume:
-            model = models.get(config.model)
-            template = train_lib.init_state(model, train_lib.make_optimizer(config, plan.schedule_steps), config.seed,
-                                            config.seeds)
+            template = train_lib.initial_state(config, plan.schedule_steps)
             step, state, meta = checkpointer.restore_latest(template, hooks.on_note)
             checkpoint.check_resume(meta, config, plan)
             if is_writer():  # log points past the checkpoint will be run (and logged) again
@@ -135,21 +133,22 @@ def finish(config: TrainConfig, result: train_lib.FitResult, dataset: data.Datas
 def score(config: TrainConfig, params, dataset: data.Dataset, mesh) -> dict:
     """Evaluate on the whole test set: the model, or every member of a multi-model run and their ensemble."""
     test = dataset.test
-    if config.seeds == 1:
+    members = config_lib.member_configs(config)
+    if len(members) == 1:
         return evaluate.run(params, config.model, test.images_u8, test.labels, config.dtype,
                             config.eval_batch_size, mesh, config.tta)
-    seeds = list(range(config.seed, config.seed + config.seeds))
-    scored = evaluate.run_members(distributed.fetch(params), config.model, test.images_u8, test.labels, seeds,
-                                  config.dtype, config.eval_batch_size, config.tta)
-    for member, member_params in zip(scored["report"]["members"], train_lib.unstack(params, config.seeds),
-                                     strict=True):
-        member["params_digest"] = train_lib.params_digest(member_params)
+    scored = evaluate.run_members(distributed.fetch(params), config.model, test.images_u8, test.labels,
+                                  [member.seed for member in members], config.dtype, config.eval_batch_size, config.tta)
+    for row, member, member_params in zip(scored["report"]["members"], members,
+                                          train_lib.unstack(params, len(members)), strict=True):
+        row["params_digest"] = train_lib.params_digest(member_params)
+        row.update({name: getattr(member, name) for name, _ in config.sweep})
     return scored
 
 
-def member_figures(report: dict) -> dict:
+def member_figures(report: dict, config: TrainConfig) -> dict:
     """summary.json's keys for a multi-model run: the finite members' mean ± sample std, each member, the
-    ensemble."""
+    ensemble, and for a sweep one row per member with its values and the best row."""
     members = report["members"]
     finite = [m for m in members if m["finite"]]
     accuracies = np.array([m["test_accuracy"] for m in finite])
@@ -163,7 +162,17 @@ def member_figures(report: dict) -> dict:
         "diverged_seeds": [m["seed"] for m in members if not m["finite"]],
         "ensemble_test_accuracy": report["accuracy"],
         "ensemble_members": report["ensemble_members"],
+        **(sweep_rows(members, config, report["examples"]) if config.sweep else {}),
     }
+
+
+def sweep_rows(members: list[dict], config: TrainConfig, examples: int) -> dict:
+    """One row per member: its swept values under their config names, its seed and accuracy; and the best."""
+    names = [name for name, _ in config.sweep]
+    rows = [{**{name: m[name] for name in names}, "seed": m["seed"], "test_accuracy": m["test_accuracy"],
+             "test_examples": examples, "diverged": not m["finite"]} for m in members]
+    finite = [row for row in rows if not row["diverged"]]
+    return {"sweep": rows, "best": max(finite, key=lambda row: row["test_accuracy"])}
 
 
 def make_summary(config: TrainConfig, result: train_lib.FitResult, report: dict, mesh) -> dict:
@@ -171,7 +180,7 @@ def make_summary(config: TrainConfig, result: train_lib.FitResult, report: dict,
     plan, stats = result.plan, result.stats
     return {
         "model": config.model,
-        "params": models.count_params(result.state.params) // config.seeds,  # per model
+        "params": models.count_params(result.state.params) // config_lib.member_count(config),  # per model
         "steps": plan.total_steps,
         "epochs": round(plan.epochs(plan.total_steps), 4),
         "batch_size": config.batch_size,
@@ -198,7 +207,7 @@ def make_summary(config: TrainConfig, result: train_lib.FitResult, report: dict,
         "jax_version": env["jax_version"],
         "fashionjax_version": fashionjax.__version__,
         "seeds": config.seeds,
-        **(member_figures(report) if config.seeds > 1 else {}),
+        **(member_figures(report, config) if config_lib.member_count(config) > 1 else {}),
     }
 
 
@@ -213,6 +222,9 @@ def write_eval_artifacts(run_dir: RunDir, scored: dict, dataset: data.Dataset) -
     if finite:
         plots.strip([m["test_accuracy"] for m in finite], [m["seed"] for m in finite], report["accuracy"],
                     "Each member's test accuracy", run_dir.file("members.png"), target_name="ensemble")
+    swept = [name for name in config_lib.SWEEPABLE if finite and name in finite[0]]
+    if swept:
+        plots.sweep(finite, swept, run_dir.file("sweep.png"))
     sample = np.random.default_rng(PREDICTION_SEED).choice(len(test.labels), size=25, replace=False)
     plots.image_grid(test.images_u8[sample], test.labels[sample], predictions[sample], names,
                      run_dir.file("predictions.png"), "Sample test predictions")
@@ -239,8 +251,7 @@ def load_trained(run_dir: str | Path, note=lambda message: None) -> Trained:
     if not (run_dir / "config.json").is_file():
         raise config_lib.ConfigError(f"{run_dir}: not a run directory (no config.json)")
     config = TrainConfig(**artifacts.read_json(run_dir / "config.json")["config"])
-    model = models.get(config.model)
-    template = train_lib.init_state(model, train_lib.make_optimizer(config, 1), config.seed, config.seeds)
+    template = train_lib.initial_state(config, 1)
     step, state, _ = checkpoint.read_latest(run_dir / "checkpoints", template, note)
     return Trained(run_dir, config, step, state.params)
 

@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 from fashionjax import artifacts, distributed, models
+from fashionjax import config as config_lib
 from fashionjax import plan as plan_lib
 from fashionjax.config import TrainConfig
 from fashionjax.plan import Plan, root_keys
@@ -54,15 +55,31 @@ def lr_schedule(config: TrainConfig, schedule_steps: int) -> Callable[[int], Any
 
 
 def make_optimizer(config: TrainConfig, schedule_steps: int) -> optax.GradientTransformation:
-    """The optax chain for a config; the schedule's position lives in the optimizer state."""
+    """The optax chain for a config; the schedule's position lives in the optimizer state.
+
+    A swept config's optimizer takes its hyperparameters (the peak learning rate, the weight decay,
+    the momentum) from the optimizer state (optax.inject_hyperparams), so that members with
+    different values share one compiled step.
+    """
+    if config.sweep:
+        unit = lr_schedule(dataclasses.replace(config, lr=1.0), schedule_steps)
+
+        def build(lr, weight_decay, momentum):
+            return _optimizer(config, lambda count: lr * unit(count), weight_decay, momentum)
+
+        return optax.inject_hyperparams(build)(lr=config.lr, weight_decay=config.weight_decay,
+                                               momentum=config.momentum)
     learning_rate = lr_schedule(config, schedule_steps) if config.schedule == "cosine" else config.lr
+    return _optimizer(config, learning_rate, config.weight_decay, config.momentum)
+
+
+def _optimizer(config: TrainConfig, learning_rate, weight_decay, momentum) -> optax.GradientTransformation:
     if config.optimizer == "adamw":
-        optimizer = optax.adamw(learning_rate, weight_decay=config.weight_decay)
+        optimizer = optax.adamw(learning_rate, weight_decay=weight_decay)
     elif config.optimizer == "adam":
         optimizer = optax.adam(learning_rate)
     else:
-        optimizer = optax.chain(optax.add_decayed_weights(config.weight_decay),
-                                optax.sgd(learning_rate, momentum=config.momentum))
+        optimizer = optax.chain(optax.add_decayed_weights(weight_decay), optax.sgd(learning_rate, momentum=momentum))
     if config.clip_norm is not None:
         optimizer = optax.chain(optax.clip_by_global_norm(config.clip_norm), optimizer)
     if models.get(config.model).apply_train is not None:  # running statistics are not trained
@@ -119,16 +136,20 @@ def make_train_step(model: models.Model, optimizer: optax.GradientTransformation
     return train_step
 
 
-def init_state(model: models.Model, optimizer, seed: int, members: int = 1) -> TrainState:
-    """The fresh state of a run: parameters from the seed's init stream, step 0.
-
-    With members > 1 every leaf gains a leading axis: member i is the state of a single run with
-    seed + i.
-    """
-    if members > 1:
-        return stack([init_state(model, optimizer, seed + i) for i in range(members)])
+def init_state(model: models.Model, optimizer, seed: int) -> TrainState:
+    """The fresh state of a run: parameters from the seed's init stream, step 0."""
     params = model.init(root_keys(seed)["init"])
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+
+
+def initial_state(config: TrainConfig, schedule_steps: int) -> TrainState:
+    """The fresh state of a run, or of all its members stacked on a leading axis: member i is the
+    state of the single run of member_configs(config)[i] (its seed, its swept values)."""
+    model = models.get(config.model)
+    # Each member's optimizer state starts from its own swept values: one optimizer then serves all.
+    states = [init_state(model, make_optimizer(dataclasses.replace(member, sweep=config.sweep), schedule_steps),
+                         member.seed) for member in config_lib.member_configs(config)]
+    return stack(states) if len(states) > 1 else states[0]
 
 
 def stack(trees: list):
@@ -324,8 +345,7 @@ def fit(
     model = models.get(config.model)
     optimizer = make_optimizer(config, plan.schedule_steps)
     train_step = make_train_step(model, optimizer, compute_dtype(config.dtype), config.label_smoothing)
-    state, stats = start if start is not None else (init_state(model, optimizer, config.seed, plan.members),
-                                                    TrainStats())
+    state, stats = start if start is not None else (initial_state(config, plan.schedule_steps), TrainStats())
     stats = dataclasses.replace(stats)  # a copy: the caller's figures stay as they were
     wall_before = stats.wall_seconds
     chunks_run = 0  # in this process lifetime: its first chunk is the warm-up
@@ -341,7 +361,7 @@ def fit(
     compiled: dict[int, Any] = {}
     perms, epoch_index, perms_epoch = None, None, None
     augment = make_augment(config)
-    learning_rate = lr_schedule(config, plan.schedule_steps)
+    learning_rates = [lr_schedule(member, plan.schedule_steps) for member in config_lib.member_configs(config)]
     while step < plan.total_steps:
         end = min((step // plan.log_every + 1) * plan.log_every, plan.total_steps)
         num_steps = end - step
@@ -366,10 +386,14 @@ def fit(
         stats.wall_seconds = wall_before + time.perf_counter() - started
         record, now = log_record(host_metrics, healthy, step, end, plan, seconds, stats.wall_seconds)
         if now.any() and not now.all() and (healthy != now).any():
-            hooks.on_note(f"seed(s) {', '.join(str(plan.seed + i) for i in np.flatnonzero(healthy & ~now))} diverged "
-                          f"by step {end}: the other members go on, and the summary leaves these out")
+            seeds = plan.member_seeds()
+            lost = ", ".join(f"{i} (seed {seeds[i]})" for i in np.flatnonzero(healthy & ~now))
+            hooks.on_note(f"member(s) {lost} diverged by step {end}: the others go on, and the summary leaves these out")
         healthy = now
-        record["lr"] = float(learning_rate(end - 1))  # the chunk's last update's
+        lrs = [float(learning_rate(end - 1)) for learning_rate in learning_rates]  # the chunk's last update's
+        record["lr"] = lrs[0] if len(set(lrs)) == 1 else None  # a sweep over lr: each member's below
+        if plan.members > 1:
+            record["member_lr"] = lrs
         if metrics_path is not None and jax.process_index() == 0:
             artifacts.append_jsonl(metrics_path, [record])  # kept even when this chunk diverged
         if not healthy.any():
@@ -410,7 +434,7 @@ def log_record(host_metrics: dict, healthy: np.ndarray, first_step: int, end: in
     }
     if plan.members > 1:
         record.update({f"member_{name}": values.mean(-1).tolist() for name, values in per_member.items()})
-        record["diverged_seeds"] = [plan.seed + i for i in np.flatnonzero(~now)]
+        record["diverged_members"] = np.flatnonzero(~now).tolist()  # indices, in member_configs order
     return record, now
 
 

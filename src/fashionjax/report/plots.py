@@ -144,3 +144,19 @@ def strip(values: Sequence[float], names: Sequence, target: float | None, title:
     ax.grid(True, axis="x", alpha=0.25)
     fig.tight_layout()
     return _save(fig, path)
+
+
+def sweep(rows: Sequence[dict], names: Sequence[str], path) -> Path:
+    """Test accuracy against each swept value: one panel per name, one dot per member."""
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.2), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        values = np.array([row[name] for row in rows], dtype=np.float64)
+        ax.scatter(values, [100 * row["test_accuracy"] for row in rows], color=ACCURACY_COLOR, zorder=3)
+        if (values > 0).all() and values.max() / values.min() >= 10:
+            ax.set_xscale("log")
+        ax.set_xlabel(name)
+        ax.set_ylabel("test accuracy (%)")
+        ax.grid(True, alpha=0.25)
+    fig.suptitle("Sweep: each member's test accuracy")
+    fig.tight_layout()
+    return _save(fig, path)

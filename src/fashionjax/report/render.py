@@ -18,7 +18,7 @@ REFERENCES = (
     ("The codelab's 400-step MLP (scored on its 9,728 trimmed test images)", "about 87-88%"),
 )
 SECTIONS = ("environment", "dataset", "model", "training", "evaluation", "benchmark")
-FIGURES = ("samples", "curve", "confusion", "predictions", "mistakes", "members")
+FIGURES = ("samples", "curve", "confusion", "predictions", "mistakes", "members", "sweep")
 
 
 def _data_uri(path: Path) -> str | None:
