@@ -167,3 +167,28 @@ def test_bad_sweeps_exit_2_before_anything_is_written(sweep, fragment, tmp_path,
     code = cli.main(["train", "--sweep", sweep, "--run-dir", str(tmp_path / "run"), "--json"])
     assert code == 2 and fragment in json.loads(capsys.readouterr().out)["error"]["message"]
     assert not (tmp_path / "run").exists()
+
+
+def test_member_bytes_by_hand_for_the_mlp():
+    from fashionjax import capacity, config
+
+    params = 784 * 256 + 256 + 256 * 128 + 128 + 128 * 10 + 10  # 235,146 float32
+    # adamw: parameters, mu and nu (3 copies), gradients and updates (2 more); three int32 counters:
+    # the step, adam's count and the cosine schedule's count
+    assert capacity.member_bytes(config.default("mlp"), 100) == 5 * 4 * params + 3 * 4
+
+
+def test_too_many_members_are_refused_with_the_largest_count_that_fits(synthetic_cli, tmp_path, capsys, monkeypatch):
+    from fashionjax import capacity
+
+    from fashionjax import config
+
+    per_member = capacity.member_bytes(config.default("mlp"), 100)
+    data_bytes = synthetic_cli.train.images_u8.nbytes + synthetic_cli.train.labels.nbytes
+    monkeypatch.setattr(capacity, "free_bytes", lambda device: data_bytes + 3 * per_member + 1)
+    code = cli.main(["train", "--seeds", "4", "--steps", "5", "--run-dir", str(tmp_path / "run"), "--json"])
+    message = json.loads(capsys.readouterr().out)["error"]["message"]
+    assert code == 2 and "4 models need about" in message and "at most 3 fit" in message
+    assert not (tmp_path / "run").exists()
+    assert cli.main(["train", "--seeds", "3", "--steps", "5", "--batch-size", "64", "--run-dir",
+                     str(tmp_path / "ok"), "--quiet"]) == 0

@@ -13,7 +13,16 @@ import dataclasses
 import shlex
 from pathlib import Path
 
-from fashionjax import checkpoint, console, data, distributed, environment, rundir, tensorboard
+from fashionjax import (
+    capacity,
+    checkpoint,
+    console,
+    data,
+    distributed,
+    environment,
+    rundir,
+    tensorboard,
+)
 from fashionjax import config as config_lib
 from fashionjax import plan as plan_lib
 from fashionjax import run as run_lib
@@ -98,6 +107,9 @@ def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, target) 
                                 schedule_steps=saved_plan["schedule_steps"] if saved_plan else None)
         if meta is not None:
             checkpoint.check_length(config, plan, meta)
+        if plan.members > 1:  # before anything compiles: do N models' states fit?
+            train_data = dataset.train.images_u8.nbytes + dataset.train.labels.nbytes
+            capacity.check(config, plan.schedule_steps, train_data, mesh.devices.flat[0])
         if owned is not None and args.overwrite:
             owned.clear()  # only now: every flag is valid and the data is here
         progress = console.Progress(out, plan.total_steps)
