@@ -44,10 +44,11 @@ class BenchConfig:
     repeats: int = 5
     eager_steps: int = 10
     compare_batch: int = 512  # where eager, jit-step and fused are compared
+    members: tuple[int, ...] = (1, 2, 4, 8)  # models at once (a GPU adds 16, 32, 64)
 
 
 def quick() -> BenchConfig:
-    return BenchConfig(batch_sizes=(512, 2048), steps=25, repeats=3, eager_steps=3)
+    return BenchConfig(batch_sizes=(512, 2048), steps=25, repeats=3, eager_steps=3, members=(1, 2))
 
 
 def validate(config: BenchConfig, num_examples: int, device_count: int = 1) -> BenchConfig:
@@ -61,6 +62,8 @@ def validate(config: BenchConfig, num_examples: int, device_count: int = 1) -> B
             raise ConfigError(f"--dtypes: unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     for size in config.batch_sizes:
         plan_lib.resolve(TrainConfig(batch_size=size), num_examples, device_count)
+    if not config.members or min(config.members) < 1:
+        raise ConfigError("--members: expected model counts of at least 1")
     if config.steps < 1 or config.repeats < 1:
         raise ConfigError("--steps and --repeats must be at least 1")
     return config
@@ -129,7 +132,7 @@ class Workload:
     def fresh(self):
         model = models.get(self.config.model)
         optimizer = train.make_optimizer(self.config, 10**6)
-        state = train.init_state(model, optimizer, self.config.seed)
+        state = train.initial_state(self.config, 10**6)  # config.seeds > 1: that many models, stacked
         step = train.make_train_step(model, optimizer, train.compute_dtype(self.config.dtype), self.config.label_smoothing)
         return distributed.replicate_tree(state, self.mesh), step
 
@@ -156,9 +159,11 @@ def fused_runner(work: Workload, steps: int):
     chunk_steps, count = plan.log_every, plan.perms_per_chunk
     key_data = distributed.put_replicated(plan.key_data("data"), work.mesh)
     epoch, perms = train.place_orders(key_data, 0, count, plan.num_examples, work.mesh)
+    keys = {purpose: distributed.put_replicated(data, work.mesh) for purpose, data in train.augment_keys(plan).items()}
+    augment = train.make_augment(work.config)
     tic = time.perf_counter()
     compiled = train.compile_chunk(step_fn, chunk_steps, plan, work.mesh,
-                                   (state, perms, epoch, work.images_u8, work.labels))
+                                   (state, perms, epoch, work.images_u8, work.labels, keys), augment)
     compile_seconds = time.perf_counter() - tic
     holder = {"state": state, "step": 0}  # the host's copy of the step: no device read needed
 
@@ -167,9 +172,10 @@ def fused_runner(work: Workload, steps: int):
         for _ in range(steps // chunk_steps):
             state = holder["state"]
             if holder["step"] + chunk_steps > count * plan.steps_per_epoch:  # rewind within the orders made
-                state = state._replace(step=distributed.put_replicated(np.int32(0), work.mesh))
+                zero = np.zeros(np.shape(state.step), np.int32)
+                state = state._replace(step=distributed.put_replicated(zero, work.mesh))
                 holder["step"] = 0
-            holder["state"], metrics = compiled(state, perms, epoch, work.images_u8, work.labels)
+            holder["state"], metrics = compiled(state, perms, epoch, work.images_u8, work.labels, keys)
             holder["step"] += chunk_steps
         jax.block_until_ready((holder["state"], metrics))
         return distributed.fetch(metrics)
@@ -215,12 +221,14 @@ def measure(work: Workload, mode: str, steps: int, repeats: int) -> dict:
         compile_seconds, run, steps_run = fused_runner(work, steps)
     else:
         compile_seconds, run, steps_run = per_step_runner(work, steps, jit=(mode == "jit-step"))
-    rates, metrics = _timed(run, repeats, steps_run * work.config.batch_size)
+    members = config_lib.member_count(work.config)
+    rates, metrics = _timed(run, repeats, steps_run * work.config.batch_size * members)  # model-examples
+    last_losses = np.asarray(metrics["loss"]).reshape(members, -1)[:, -1]
     return {
         "mode": mode, "dtype": work.config.dtype, "batch_size": work.config.batch_size,
         "steps": steps_run, "repeats": repeats, "compile_seconds": compile_seconds,
         "examples_per_sec": spread(rates),
-        "final_loss": float(metrics["loss"][-1]),
+        "final_loss": float(last_losses.mean()),
         "final_accuracy": float(metrics["accuracy"].mean()),
         "devices": int(work.mesh.devices.size),
     }
@@ -285,6 +293,7 @@ def run(config: BenchConfig, train_images_u8: np.ndarray, train_labels: np.ndarr
         "tokens_per_example": model.tokens_per_example, "tokens_assumption": models.TOKENS_ASSUMPTION,
         "peak": peak, "cases": cases, "placement": placement(work(config.dtypes[0], config.compare_batch)),
         "scaling": scaling(config, work, log) if mesh.devices.size > 1 else None,
+        "models_at_once": models_at_once(config, work, log, env["backend"]),
         "notes": notes(cases, env),
     }
 
@@ -299,6 +308,26 @@ def scaling(config: BenchConfig, work: Callable, log) -> dict:
     devices = int(full.mesh.devices.size)
     return {"devices": devices, "examples_per_sec_1": one, "examples_per_sec_n": many,
             "per_device_n": many / devices, "efficiency": many / (devices * one)}
+
+
+def models_at_once(config: BenchConfig, work: Callable, log, backend: str) -> list[dict]:
+    """Fused float32 at the comparison batch with N models in one program (vmapped members), against
+    N separate runs one after another (which together go at one run's model-examples/sec)."""
+    counts = sorted(set(config.members) | ({16, 32, 64} if backend == "gpu" else set()))
+    rows = []
+    for count in counts:
+        log(f"models at once: {count}")
+        one = work("float32", config.compare_batch)
+        case = measure(Workload(dataclasses.replace(one.config, seeds=count), one.images_u8, one.labels, one.mesh),
+                       "fused", config.steps, config.repeats)
+        rows.append({"members": count, "model_examples_per_sec": case["examples_per_sec"],
+                     "compile_seconds": case["compile_seconds"], "final_loss": case["final_loss"],
+                     "final_accuracy": case["final_accuracy"]})
+    separate = next((row["model_examples_per_sec"]["median"] for row in rows if row["members"] == 1), None)
+    for row in rows:
+        row["separate_model_examples_per_sec"] = separate
+        row["speedup_over_separate"] = row["model_examples_per_sec"]["median"] / separate if separate else None
+    return rows
 
 
 def notes(cases: list[dict], env: dict) -> list[str]:

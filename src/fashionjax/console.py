@@ -254,6 +254,15 @@ def show_bench(out: Output, document: dict) -> None:
         s = document["scaling"]
         out.show(f"scaling: {s['examples_per_sec_1']:,.0f} ex/s on 1 device, {s['examples_per_sec_n']:,.0f} on "
                  f"{s['devices']} ({s['per_device_n']:,.0f} per device, efficiency {100 * s['efficiency']:.1f}%)")
+    if document.get("models_at_once"):
+        out.show(table("models at once (fused float32, one program; 'separate' = the 1-model rate, which N runs "
+                       "one after another share)", ["models", "model-ex/s median", "min-max", "vs separate",
+                                                    "compile s", "loss"],
+                       [(row["members"], f"{row['model_examples_per_sec']['median']:,.0f}",
+                         f"{row['model_examples_per_sec']['min']:,.0f}-{row['model_examples_per_sec']['max']:,.0f}",
+                         "n/a" if row["speedup_over_separate"] is None else f"{row['speedup_over_separate']:.2f}x",
+                         f"{row['compile_seconds']:.2f}", f"{row['final_loss']:.4f}")
+                        for row in document["models_at_once"]]))
     for note in document["notes"]:
         out.show(f"note: {note}")
 
