@@ -144,7 +144,9 @@ class Checkpointer:
 
 def check_resume(meta: dict, config: TrainConfig, plan: plan_lib.Plan) -> None:
     """Refuse a resume that would not continue the saved run's trajectory, naming every difference."""
-    differences = config_lib.differences(meta["config"], dataclasses.asdict(config), TRAJECTORY_FIELDS)
+    # A field a checkpoint lacks did not exist when it was written: the run had its neutral default.
+    saved = {**dataclasses.asdict(TrainConfig()), **meta["config"]}
+    differences = config_lib.differences(saved, dataclasses.asdict(config), TRAJECTORY_FIELDS)
     if "plan" in meta:  # checkpoints of fashionjax 0.1 have none
         differences += plan_lib.differences(meta["plan"], plan)
     if differences:

@@ -6,6 +6,7 @@ Nothing here reads files or flags; the CLI builds these and the library consumes
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -153,5 +154,8 @@ TRAJECTORY_FIELDS = ("model", "batch_size", "optimizer", "lr", "schedule", "warm
 
 def differences(saved: dict, wanted: dict, names) -> list[str]:
     """'name saved -> wanted' for each of `names` whose values differ (what a refused resume lists)."""
+    def plain(value):  # as JSON holds it: a tuple in a live config is a list in a saved one
+        return json.loads(json.dumps(value))
+
     return [f"{name} {saved.get(name)!r} -> {wanted.get(name)!r}" for name in names
-            if saved.get(name) != wanted.get(name)]
+            if plain(saved.get(name)) != plain(wanted.get(name))]
