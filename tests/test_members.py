@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 from test_distributed import completed, train_process
@@ -41,6 +42,8 @@ def test_each_member_matches_the_single_run_of_its_seed(recipe, synthetic_cli, t
         alone_records = artifacts.read_jsonl(tmp_path / f"alone{seed}" / "metrics.jsonl")
         member = together["per_seed"][i]
         assert member["test_accuracy"] == alone["test_accuracy"]
+        if jax.default_backend() == "cpu":  # members run one after another there: the very same computation
+            assert member["params_digest"] == alone["params_digest"]
         assert member["test_loss"] == pytest.approx(alone["test_loss"], rel=1e-4)
         assert [r["member_loss"][i] for r in records] == pytest.approx([r["loss"] for r in alone_records], rel=1e-5)
     accuracies = [row["test_accuracy"] for row in together["per_seed"]]
@@ -179,9 +182,7 @@ def test_member_bytes_by_hand_for_the_mlp():
 
 
 def test_too_many_members_are_refused_with_the_largest_count_that_fits(synthetic_cli, tmp_path, capsys, monkeypatch):
-    from fashionjax import capacity
-
-    from fashionjax import config
+    from fashionjax import capacity, config
 
     per_member = capacity.member_bytes(config.default("mlp"), 100)
     data_bytes = synthetic_cli.train.images_u8.nbytes + synthetic_cli.train.labels.nbytes
