@@ -53,6 +53,38 @@ def test_each_member_matches_the_single_run_of_its_seed(recipe, synthetic_cli, t
     evaluation = artifacts.read_json(tmp_path / "together" / "eval.json")
     assert evaluation["accuracy"] == together["ensemble_test_accuracy"] and len(evaluation["members"]) == 3
     assert (tmp_path / "together" / "members.png").is_file()
+    page = (tmp_path / "together" / "report.html").read_text()
+    assert "3 models trained together" in page and "Each member's test accuracy" in page
+
+
+def test_predict_and_export_of_a_multi_model_run_use_the_ensemble(synthetic_cli, tmp_path, capsys):
+    from PIL import Image
+
+    from fashionjax import export
+    from fashionjax import run as run_lib
+
+    run_json(capsys, "--steps", "10", "--log-every", "5", "--batch-size", "64", "--seeds", "2",
+             "--run-dir", str(tmp_path / "run"))
+    images = synthetic_cli.test.images_u8[:5]
+    for k, image in enumerate(images):
+        Image.fromarray(image).save(tmp_path / f"{k}.png")
+    code = cli.main(["predict", str(tmp_path / "run"), *[str(tmp_path / f"{k}.png") for k in range(5)],
+                     "--top-k", "10", "--json"])
+    rows = json.loads(capsys.readouterr().out)["predictions"]
+    trained = run_lib.load_trained(tmp_path / "run")
+    members = [evaluate.classifier("mlp", params) for params in train.unstack(trained.params, 2)]
+    scaled = images.astype(np.float32) / 255
+    expected = np.mean([np.exp(np.asarray(m(scaled)) - np.log(np.exp(np.asarray(m(scaled))).sum(-1, keepdims=True)))
+                        for m in members], axis=0)  # the mean of the two members' softmax probabilities
+    assert code == 0
+    for row, probs in zip(rows, expected, strict=True):
+        got = {t["label"]: t["probability"] for t in row["top_k"]}
+        assert [got[k] for k in range(10)] == pytest.approx(probs, abs=1e-6)
+    code = cli.main(["export", str(tmp_path / "run"), "--format", "stablehlo", "--out", str(tmp_path / "x"),
+                     "--json", "--quiet"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["artifacts"]["stablehlo"]["differing_labels"] == 0
+    logits = np.asarray(export.load(tmp_path / "x" / "model.stablehlo")(scaled))
+    assert np.exp(logits) == pytest.approx(expected, abs=1e-6)
 
 
 def test_the_ensemble_averages_probabilities_not_accuracies_or_votes():
