@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fashionjax import cli, config, evaluate, layers, models, speedrun, train
+from fashionjax import augment, cli, config, evaluate, layers, models, speedrun, train
 
 TINY = config.TrainConfig(model="speedrun", steps=8, batch_size=64, log_every=4, warmup_steps=2,
                           augment=True, max_shift=0, label_smoothing=0.1)
@@ -135,14 +135,14 @@ def test_speedrun_refuses_a_folder_finished_with_other_settings(tmp_path, synthe
 def test_alternating_flips_mirror_each_image_in_every_other_epoch():
     key = jax.random.key(5)
     indices = jnp.arange(64)
-    epochs = [np.asarray(train.alternating_flips(key, indices, jnp.int32(e))) for e in range(4)]
+    epochs = [np.asarray(augment.alternating_flips(key, indices, jnp.int32(e))) for e in range(4)]
     np.testing.assert_array_equal(epochs[0], ~epochs[1])  # each image once each way over two epochs
     np.testing.assert_array_equal(epochs[0], epochs[2])
     assert 0 < epochs[0].sum() < 64  # the coins differ between images
-    shuffled = np.asarray(train.alternating_flips(key, indices[::-1], jnp.int32(0)))
+    shuffled = np.asarray(augment.alternating_flips(key, indices[::-1], jnp.int32(0)))
     np.testing.assert_array_equal(shuffled, epochs[0][::-1])  # an image's coin goes with the image, not its slot
     images = np.arange(2 * 784, dtype=np.uint8).reshape(2, 784) % 251
-    mirrored = np.asarray(train.augment_batch(key, images, 0, jnp.array([True, False])))
+    mirrored = np.asarray(augment.augment_batch(key, images, 0, jnp.array([True, False])))
     np.testing.assert_array_equal(mirrored[0], images[0].reshape(28, 28)[:, ::-1].reshape(-1))
     np.testing.assert_array_equal(mirrored[1], images[1])
 

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from fashionjax import config, evaluate, models, plan, train
+from fashionjax import augment, config, evaluate, models, plan, train
 
 TINY = config.TrainConfig(steps=12, batch_size=64, log_every=4, warmup_steps=2)
 
@@ -111,9 +111,9 @@ def test_codelab_preset():
 def test_augmentation_is_a_pure_function_of_the_key():
     images = np.random.default_rng(0).integers(0, 255, (8, 784), dtype=np.uint8)
     key = jax.random.key(5)
-    first = np.asarray(train.augment_batch(key, images))
-    np.testing.assert_array_equal(first, np.asarray(train.augment_batch(key, images)))
-    assert not np.array_equal(first, np.asarray(train.augment_batch(jax.random.key(6), images)))
+    first = np.asarray(augment.augment_batch(key, images))
+    np.testing.assert_array_equal(first, np.asarray(augment.augment_batch(key, images)))
+    assert not np.array_equal(first, np.asarray(augment.augment_batch(jax.random.key(6), images)))
     # Shifts and flips move pixels and pad with zeros; they never invent brightness.
     assert first.dtype == np.uint8 and first.sum() <= images.sum()
 

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fashionjax import augment, distributed, environment, models, train
 from fashionjax import config as config_lib
-from fashionjax import distributed, environment, models, train
 from fashionjax import plan as plan_lib
 from fashionjax.config import DTYPES, ConfigError, TrainConfig
 
@@ -159,11 +159,11 @@ def fused_runner(work: Workload, steps: int):
     chunk_steps, count = plan.log_every, plan.perms_per_chunk
     key_data = distributed.put_replicated(plan.key_data("data"), work.mesh)
     epoch, perms = train.place_orders(key_data, 0, count, plan.num_examples, work.mesh)
-    keys = {purpose: distributed.put_replicated(data, work.mesh) for purpose, data in train.augment_keys(plan).items()}
-    augment = train.make_augment(work.config)
+    keys = {purpose: distributed.put_replicated(data, work.mesh) for purpose, data in augment.augment_keys(plan).items()}
+    augment_fn = augment.make_augment(work.config)
     tic = time.perf_counter()
     compiled = train.compile_chunk(step_fn, chunk_steps, plan, work.mesh,
-                                   (state, perms, epoch, work.images_u8, work.labels, keys), augment)
+                                   (state, perms, epoch, work.images_u8, work.labels, keys), augment_fn)
     compile_seconds = time.perf_counter() - tic
     holder = {"state": state, "step": 0}  # the host's copy of the step: no device read needed
 
