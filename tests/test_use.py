@@ -121,18 +121,19 @@ def test_a_non_image_among_images_is_named_and_the_others_are_predicted(mlp_run,
     (tmp_path / "notes.png").write_text("not a picture")
     whole = (tmp_path / f"{PICKED[0]:05d}.png").read_bytes()
     (tmp_path / "torn.png").write_bytes(whole[: len(whole) // 2])
+    (tmp_path / "README.txt").write_text("my garments")
     code = cli.main(["predict", str(mlp_run), str(tmp_path), "--json"])
     captured = capsys.readouterr()
     document = json.loads(captured.out)
     assert code == 1
-    assert sorted(f["path"].rsplit("/", 1)[1] for f in document["failures"]) == ["notes.png", "torn.png"]
+    assert sorted(f["path"].rsplit("/", 1)[1] for f in document["failures"]) == ["README.txt", "notes.png", "torn.png"]
     assert len(document["predictions"]) == 3
     assert sum("notes.png: not a readable image" in line for line in captured.err.splitlines()) == 1
 
 
 @pytest.mark.parametrize("argv, fragment", [
     (["{run}", "{missing}"], "no such file or folder"),
-    (["{run}", "{empty}"], "no image files in this folder"),
+    (["{run}", "{empty}"], "no files in this folder"),
     (["{run}", "{empty}", "--top-k", "11"], "--top-k must be between 1 and 10"),
     (["{empty}", "{empty}"], "not a run directory"),
 ])

@@ -26,22 +26,16 @@ class ImageError(ValueError):
     """A file that is not a readable image (not an image at all, or truncated)."""
 
 
-def image_suffixes() -> set[str]:
-    """The file suffixes Pillow can open here (.png, .jpg, .webp, ...)."""
-    return {suffix.lower() for suffix in Image.registered_extensions()}
-
-
 def image_paths(paths: Sequence[str | Path]) -> list[Path]:
-    """Every file named, and the image files (by suffix, sorted, not recursive) of every folder named."""
+    """Every file named, and every file of every folder named (sorted, not recursive, hidden files
+    left out): a file there that is not an image is reported like any other, not skipped in silence."""
     found: list[Path] = []
-    suffixes = image_suffixes()
     for path in map(Path, paths):
         if path.is_dir():
-            images = sorted(p for p in path.iterdir()
-                            if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in suffixes)
-            if not images:
-                raise ConfigError(f"{path}: no image files in this folder (looked for {', '.join(sorted(suffixes)[:6])}, ...)")
-            found += images
+            files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+            if not files:
+                raise ConfigError(f"{path}: no files in this folder")
+            found += files
         elif path.is_file():
             found.append(path)
         else:
