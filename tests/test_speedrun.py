@@ -151,3 +151,20 @@ def test_tta_without_flipped_training_is_pointed_out(tmp_path, synthetic_cli, ca
     assert cli.main(["train", "--model", "speedrun", "--no-augment", "--steps", "2", "--batch-size", "64",
                      "--run-dir", str(tmp_path / "run")]) == 0
     assert "--tta without --augment" in capsys.readouterr().err
+
+
+def test_cutout_blacks_out_one_square_per_image_cut_at_the_edges():
+    images = np.full((400, 28, 28), 7, np.uint8)
+    erased = np.asarray(augment.cutout(jax.random.key(3), jnp.asarray(images), 8)) == 0
+    centres = np.asarray(jax.random.randint(jax.random.key(3), (400, 2), 0, jnp.array([28, 28])))
+    for image, (row, col) in zip(erased, centres, strict=True):
+        expected = np.zeros((28, 28), bool)  # by hand: rows and columns centre-4 .. centre+3, clipped
+        expected[max(row - 4, 0):row + 4, max(col - 4, 0):col + 4] = True
+        np.testing.assert_array_equal(image, expected)
+    counts = erased.sum(axis=(1, 2))
+    assert counts.max() == 64 and counts.min() < 64  # whole squares inside, cut ones at the edges
+    # Off by default, and the flips and shifts of a batch are the same with and without it
+    key, batch = jax.random.key(4), np.arange(3 * 784, dtype=np.uint8).reshape(3, 784) % 200 + 1
+    plain = np.asarray(augment.augment_batch(key, batch, 1))
+    cut = np.asarray(augment.augment_batch(key, batch, 1, cutout_side=5))
+    assert ((cut == plain) | (cut == 0)).all() and (cut == 0).sum() > (plain == 0).sum()

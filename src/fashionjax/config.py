@@ -44,6 +44,8 @@ class TrainConfig:
     max_shift: int = _flag("largest shift in pixels of --augment (0: flips only)", 1)
     alternate_flips: bool = _flag("--augment mirrors each image in alternate epochs (from a coin per image) "
                                   "instead of at random", False)
+    cutout: int = _flag("--augment also blacks out a square of this side, centred at a random pixel of each "
+                        "training image (0: off)", 0)
     label_smoothing: float = _flag("move this much of each target's probability to uniform", 0.0)
     tta: bool = _flag("test-time augmentation: score each test image and its mirror image (the summary "
                       "gives accuracy with and without)", False)
@@ -81,6 +83,7 @@ def validate(config: TrainConfig) -> TrainConfig:
              f"weight decay must be >= 0, got {config.weight_decay}")
     _require(math.isfinite(config.label_smoothing) and 0 <= config.label_smoothing < 1,
              f"--label-smoothing must be in [0, 1), got {config.label_smoothing}")
+    _require(0 <= config.cutout <= 28, f"--cutout must be between 0 and 28 pixels, got {config.cutout}")
     _require(0 <= config.max_shift <= 4, f"--max-shift must be between 0 and 4 pixels, got {config.max_shift}")
     _require(config.clip_norm is None or (math.isfinite(config.clip_norm) and config.clip_norm > 0),
              f"clip norm must be a positive number, got {config.clip_norm}")
@@ -148,7 +151,7 @@ def codelab() -> TrainConfig:
 # Fields that define a run's trajectory: resuming with any of them changed is refused. The run's
 # length is checked through the plan; cadences (log_every, checkpoint_every, keep) may change.
 TRAJECTORY_FIELDS = ("model", "batch_size", "optimizer", "lr", "schedule", "warmup_steps", "weight_decay",
-                     "momentum", "clip_norm", "dtype", "augment", "max_shift", "alternate_flips", "label_smoothing",
+                     "momentum", "clip_norm", "dtype", "augment", "max_shift", "alternate_flips", "cutout", "label_smoothing",
                      "seed", "seeds", "sweep")
 
 

@@ -92,14 +92,7 @@ def export(trained, wanted: tuple[str, ...], out_dir: Path, test_images_u8: np.n
 
 
 def _batched(predict, images: np.ndarray) -> np.ndarray:
-    """Logits for every image, VERIFY_BATCH at a time (the last batch padded: one shape)."""
-    out = []
-    for start in range(0, len(images), VERIFY_BATCH):
-        chunk = images[start:start + VERIFY_BATCH]
-        padded = np.zeros((VERIFY_BATCH, SIDE, SIDE), np.float32)
-        padded[:len(chunk)] = chunk
-        out.append(np.asarray(predict(padded))[:len(chunk)])
-    return np.concatenate(out)
+    return evaluate.in_fixed_batches(predict, images, VERIFY_BATCH)
 
 
 def compare(reference: np.ndarray, logits: np.ndarray) -> dict:

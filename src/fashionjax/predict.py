@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from PIL import Image, ImageOps
 
+from fashionjax import evaluate
 from fashionjax.config import ConfigError
 
 SIDE = 28
@@ -92,14 +93,10 @@ def _border_level(image: np.ndarray) -> float:
 
 def probabilities(classify, images_u8: np.ndarray) -> np.ndarray:
     """Class probabilities (n, 10) for images (n, 28, 28) uint8, in padded batches of one shape."""
+    if not len(images_u8):
+        return np.zeros((0, 10), np.float32)
     softmax = jax.jit(lambda images: jax.nn.softmax(classify(images)))
-    out = []
-    for start in range(0, len(images_u8), BATCH):
-        chunk = images_u8[start:start + BATCH]
-        padded = np.zeros((BATCH, SIDE, SIDE), np.float32)
-        padded[:len(chunk)] = chunk / np.float32(255.0)
-        out.append(np.asarray(softmax(padded))[:len(chunk)])  # deliberate sync: the answer
-    return np.concatenate(out) if out else np.zeros((0, 10), np.float32)
+    return evaluate.in_fixed_batches(softmax, images_u8.astype(np.float32) / np.float32(255.0), BATCH)
 
 
 @dataclasses.dataclass(frozen=True)
