@@ -45,6 +45,21 @@ def test_label_smoothing_loss_by_hand():
     assert float(train.cross_entropy(logits, jnp.array([0]))[0]) == pytest.approx(-math.log(0.75), rel=1e-6)
 
 
+def test_nesterov_sgd_by_hand():
+    # Constant gradient 1, lr 0.1, momentum 0.9: trace 1 then 1.9; Nesterov steps by
+    # -lr * (g + momentum * trace): -0.19, then -0.271 (plain momentum: -0.1, then -0.19).
+    sgd = dataclasses.replace(config.TrainConfig(), optimizer="sgd", lr=0.1, schedule="constant", weight_decay=0.0)
+    for nesterov, expected in ((True, (-0.19, -0.271)), (False, (-0.1, -0.19))):
+        optimizer = train.make_optimizer(dataclasses.replace(sgd, nesterov=nesterov), 10)
+        params = {"w": jnp.zeros(())}
+        state = optimizer.init(params)
+        for want in expected:
+            updates, state = optimizer.update({"w": jnp.ones(())}, state, params)
+            assert float(updates["w"]) == pytest.approx(want, rel=1e-6)
+    with pytest.raises(config.ConfigError, match="--nesterov applies to --optimizer sgd only"):
+        config.validate(dataclasses.replace(config.TrainConfig(), nesterov=True))
+
+
 def test_the_optimizer_never_touches_running_statistics(small_dataset):
     model = models.get("speedrun")
     # A large rate and decay: an Adam step (~0.1) or decay (5%) on the statistics could not hide.

@@ -38,6 +38,7 @@ class TrainConfig:
     warmup_steps: int = _flag("warm-up steps of the cosine schedule", 100)
     weight_decay: float = _flag("decoupled weight decay", 1e-4)
     momentum: float = _flag("momentum (sgd only)", 0.9)
+    nesterov: bool = _flag("Nesterov momentum (sgd only)", False)
     clip_norm: float | None = _flag("clip gradients to this global norm (off when unset)", None)
     dtype: str = _flag(f"compute dtype: {', '.join(DTYPES)}", "float32", choices=DTYPES)
     augment: bool = _flag("random horizontal flips and shifts (see --max-shift) of each training batch", False)
@@ -90,6 +91,8 @@ def validate(config: TrainConfig) -> TrainConfig:
     _require(0 <= config.seed <= MAX_SEED, f"--seed must be between 0 and {MAX_SEED}, got {config.seed}")
     _require(config.seeds >= 1 and config.seed + config.seeds - 1 <= MAX_SEED,
              f"--seeds must be at least 1 and end at seed {MAX_SEED} or below, got {config.seeds}")
+    _require(not config.nesterov or config.optimizer == "sgd",
+             f"--nesterov applies to --optimizer sgd only, not {config.optimizer}")
     _require(config.momentum >= 0 and math.isfinite(config.momentum), f"--momentum must be >= 0, got {config.momentum}")
     _require(config.batch_size >= 1, f"batch size must be at least 1, got {config.batch_size}")
     _require(config.eval_batch_size >= 1, f"eval batch size must be at least 1, got {config.eval_batch_size}")
@@ -151,8 +154,8 @@ def codelab() -> TrainConfig:
 # Fields that define a run's trajectory: resuming with any of them changed is refused. The run's
 # length is checked through the plan; cadences (log_every, checkpoint_every, keep) may change.
 TRAJECTORY_FIELDS = ("model", "batch_size", "optimizer", "lr", "schedule", "warmup_steps", "weight_decay",
-                     "momentum", "clip_norm", "dtype", "augment", "max_shift", "alternate_flips", "cutout", "label_smoothing",
-                     "seed", "seeds", "sweep")
+                     "momentum", "nesterov", "clip_norm", "dtype", "augment", "max_shift", "alternate_flips", "cutout",
+                     "label_smoothing", "seed", "seeds", "sweep")
 
 
 def differences(saved: dict, wanted: dict, names) -> list[str]:

@@ -80,7 +80,8 @@ def _optimizer(config: TrainConfig, learning_rate, weight_decay, momentum) -> op
     elif config.optimizer == "adam":
         optimizer = optax.adam(learning_rate)
     else:
-        optimizer = optax.chain(optax.add_decayed_weights(weight_decay), optax.sgd(learning_rate, momentum=momentum))
+        sgd = optax.sgd(learning_rate, momentum=momentum, nesterov=config.nesterov)
+        optimizer = optax.chain(optax.add_decayed_weights(weight_decay), sgd)
     if config.clip_norm is not None:
         optimizer = optax.chain(optax.clip_by_global_norm(config.clip_norm), optimizer)
     if models.get(config.model).apply_train is not None:  # running statistics are not trained
