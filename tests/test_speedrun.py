@@ -183,3 +183,5 @@ def test_cutout_blacks_out_one_square_per_image_cut_at_the_edges():
     plain = np.asarray(augment.augment_batch(key, batch, 1))
     cut = np.asarray(augment.augment_batch(key, batch, 1, cutout_side=5))
     assert ((cut == plain) | (cut == 0)).all() and (cut == 0).sum() > (plain == 0).sum()
+    with pytest.raises(config.ConfigError, match="--cutout is part of the training augmentation: add --augment"):
+        config.validate(dataclasses.replace(config.TrainConfig(), cutout=8))

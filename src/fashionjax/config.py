@@ -85,6 +85,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     _require(math.isfinite(config.label_smoothing) and 0 <= config.label_smoothing < 1,
              f"--label-smoothing must be in [0, 1), got {config.label_smoothing}")
     _require(0 <= config.cutout <= 28, f"--cutout must be between 0 and 28 pixels, got {config.cutout}")
+    _require(not config.cutout or config.augment, "--cutout is part of the training augmentation: add --augment")
     _require(0 <= config.max_shift <= 4, f"--max-shift must be between 0 and 4 pixels, got {config.max_shift}")
     _require(config.clip_norm is None or (math.isfinite(config.clip_norm) and config.clip_norm > 0),
              f"clip norm must be a positive number, got {config.clip_norm}")
