@@ -69,7 +69,7 @@ def export(trained, wanted: tuple[str, ...], out_dir: Path, test_images_u8: np.n
     classify = evaluate.classifier(config.model, params, config.dtype, config.tta, config_lib.member_count(config))
     meta = metadata(config, params, class_names)
     images = test_images_u8.reshape(-1, SIDE, SIDE).astype(np.float32) / np.float32(255.0)
-    reference = _batched(jax.jit(classify), images)
+    reference = evaluate.in_fixed_batches(jax.jit(classify), images, VERIFY_BATCH)
     document = {"run_dir": str(trained.run_dir), "checkpoint_step": trained.step, "model": config.model,
                 "params_digest": meta["params_digest"], "tta": config.tta, "artifacts": {}}
     for fmt in wanted:
@@ -77,10 +77,10 @@ def export(trained, wanted: tuple[str, ...], out_dir: Path, test_images_u8: np.n
         note(f"writing {path}")
         if fmt == "onnx":
             artifacts.atomic_write_bytes(path, onnx_bytes(classify, config.model, meta))
-            check = compare(reference, _batched(onnx_callable(path), images))
+            check = compare(reference, evaluate.in_fixed_batches(onnx_callable(path), images, VERIFY_BATCH))
         elif fmt == "stablehlo":
             artifacts.atomic_write_bytes(path, stablehlo_bytes(classify))
-            check = compare(reference, _batched(load(path), images))
+            check = compare(reference, evaluate.in_fixed_batches(load(path), images, VERIFY_BATCH))
         else:
             save_safetensors(params, meta, path)
             check = {"params_equal": train.params_digest(load_safetensors(path)) == meta["params_digest"]}
@@ -89,10 +89,6 @@ def export(trained, wanted: tuple[str, ...], out_dir: Path, test_images_u8: np.n
             raise ExportError(f"{path}: does not reproduce the JAX model ({json.dumps(check)})")
     artifacts.atomic_write_json(out_dir / "export.json", dict(document, metadata=meta))
     return document
-
-
-def _batched(predict, images: np.ndarray) -> np.ndarray:
-    return evaluate.in_fixed_batches(predict, images, VERIFY_BATCH)
 
 
 def compare(reference: np.ndarray, logits: np.ndarray) -> dict:
