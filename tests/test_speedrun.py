@@ -185,3 +185,84 @@ def test_cutout_blacks_out_one_square_per_image_cut_at_the_edges():
     assert ((cut == plain) | (cut == 0)).all() and (cut == 0).sum() > (plain == 0).sum()
     with pytest.raises(config.ConfigError, match="--cutout is part of the training augmentation: add --augment"):
         config.validate(dataclasses.replace(config.TrainConfig(), cutout=8))
+
+
+def test_whitening_filters_by_hand():
+    # Second moment diag(2, 0.5): the leading direction is e1 (eigenvalue 2), then e2 (0.5).
+    patches = np.array([[2.0, 0.0], [-2.0, 0.0], [0.0, 1.0], [0.0, -1.0]])
+    one = models.whitening_filters(patches, 1, eps=0.0)
+    np.testing.assert_allclose(np.abs(one), [[1 / math.sqrt(2), 1 / math.sqrt(2)], [0, 0]], atol=1e-12)
+    np.testing.assert_allclose(one[:, 1], -one[:, 0])  # each filter, then its negation
+    both = models.whitening_filters(patches, 2, eps=0.0)
+    np.testing.assert_allclose(np.abs(both[:, :2]), [[1 / math.sqrt(2), 0], [0, math.sqrt(2)]], atol=1e-12)
+    # Correlated patches come out with unit, uncorrelated second moments along every kept direction
+    mixed = np.random.default_rng(0).normal(size=(5000, 3)) @ np.array([[3.0, 1, 0], [0, 1, 0.5], [0, 0, 0.2]])
+    projected = mixed @ models.whitening_filters(mixed, 3, eps=0.0)[:, :3]
+    np.testing.assert_allclose(projected.T @ projected / len(mixed), np.eye(3), atol=1e-9)
+
+
+def test_whitened_first_layer_whitens_its_patches_and_stays_frozen(small_dataset):
+    model = models.get("speedrun")
+    images = small_dataset.train.images_u8.reshape(len(small_dataset.train.labels), -1)  # fewer than WHITEN_IMAGES
+    params = model.whiten(model.init(jax.random.key(0)), images)
+    scaled = (np.asarray(images, np.float32).reshape(-1, 28, 28) / 255 - models.PIXEL_MEAN) / models.PIXEL_STD
+    response = np.asarray(layers.conv3x3_same(layers.space_to_depth(jnp.asarray(scaled)), params["conv0"]["w"]))
+    interior = response[:, 1:-1, 1:-1, :].reshape(-1, response.shape[-1])  # whole windows: those fitted
+    half = interior.shape[1] // 2
+    np.testing.assert_allclose(interior[:, half:], -interior[:, :half], rtol=1e-6)
+    moment = interior[:, :half].T @ interior[:, :half] / len(interior)
+    np.testing.assert_allclose(moment, np.eye(half), atol=0.05)  # eps bends the weakest directions a little
+    # Training moves every weight but the whitening filters (and the running statistics' own rule)
+    whitened = dataclasses.replace(TINY, whiten=True, lr=0.1, weight_decay=0.5, schedule="constant")
+    optimizer = train.make_optimizer(whitened, 8)
+    state = train.initial_state(whitened, 8, small_dataset.train.images_u8)
+    np.testing.assert_array_equal(np.asarray(state.params["conv0"]["w"]), np.asarray(params["conv0"]["w"]))
+    after, _ = jax.jit(train.make_train_step(model, optimizer, jnp.float32, 0.1))(
+        state, small_dataset.train.images_u8[:64].reshape(64, -1), small_dataset.train.labels[:64])
+    np.testing.assert_array_equal(np.asarray(after.params["conv0"]["w"]), np.asarray(params["conv0"]["w"]))
+    for name in ("conv1", "dense", "head"):
+        assert not np.array_equal(np.asarray(after.params[name]["w"]), np.asarray(state.params[name]["w"]))
+    with pytest.raises(config.ConfigError, match="--whiten fits the speedrun model's first layer"):
+        config.validate(dataclasses.replace(config.TrainConfig(), whiten=True))
+
+
+def test_weight_ema_by_hand():
+    ema = train.params_ema(0.9)
+    state = ema.init({"a": jnp.array(1.0)})
+    updates, state = ema.update({"a": jnp.array(1.0)}, state, {"a": jnp.array(1.0)})
+    assert float(updates["a"]) == 1.0  # the updates pass unchanged
+    assert float(state.ema["a"]) == pytest.approx(0.9 * 1.0 + 0.1 * 2.0)  # of the params after the update
+    _, state = ema.update({"a": jnp.array(0.5)}, state, {"a": jnp.array(2.0)})
+    assert float(state.ema["a"]) == pytest.approx(0.9 * 1.1 + 0.1 * 2.5)
+    with pytest.raises(config.ConfigError, match="--ema must be in"):
+        config.validate(dataclasses.replace(config.TrainConfig(), ema=1.0))
+
+
+def test_a_run_with_ema_is_scored_with_the_average_and_the_current_statistics(small_dataset):
+    averaged = dataclasses.replace(TINY, ema=0.5)
+    result = train.fit(averaged, small_dataset.train.images_u8, small_dataset.train.labels)
+    scored = train.evaluated_params(averaged, result.state)
+    ema = result.state.opt_state[-1].ema
+    np.testing.assert_array_equal(np.asarray(scored["head"]["w"]), np.asarray(ema["head"]["w"]))
+    assert not np.array_equal(np.asarray(scored["head"]["w"]), np.asarray(result.state.params["head"]["w"]))
+    assert scored["stats"] is result.state.params["stats"]
+    # The average is an optimizer addition only: the weights are those of the run without it
+    plain = train.fit(TINY, small_dataset.train.images_u8, small_dataset.train.labels)
+    assert train.params_digest(plain.state.params) == train.params_digest(result.state.params)
+    assert train.evaluated_params(TINY, plain.state) is plain.state.params
+
+
+@pytest.mark.parametrize("technique", [["--whiten"], ["--ema", "0.9"]])
+def test_whitened_or_averaged_runs_resume_bit_identically(tmp_path, synthetic_cli, capsys, technique):
+    flags = ["--model", "speedrun", "--batch-size", "64", "--log-every", "4", "--schedule", "constant", "--quiet",
+             "--json", *technique]
+    assert cli.main(["train", *flags, "--steps", "12", "--run-dir", str(tmp_path / "straight")]) == 0
+    straight = json.loads(capsys.readouterr().out)
+    assert cli.main(["train", *flags, "--steps", "8", "--run-dir", str(tmp_path / "split")]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", "--resume", "--steps", "12", "--quiet", "--json", "--run-dir", str(tmp_path / "split")]) == 0
+    resumed = json.loads(capsys.readouterr().out)
+    assert resumed["params_digest"] == straight["params_digest"]
+    assert resumed["test_accuracy"] == straight["test_accuracy"]
+    assert cli.main(["eval", str(tmp_path / "split"), "--json"]) == 0  # eval scores what the summary scored
+    assert json.loads(capsys.readouterr().out)["params_digest"] == straight["params_digest"]

@@ -47,6 +47,10 @@ class TrainConfig:
                                   "instead of at random", False)
     cutout: int = _flag("--augment also blacks out a square of this side, centred at a random pixel of each "
                         "training image (0: off)", 0)
+    whiten: bool = _flag("speedrun only: fix its first convolution to whiten the 6x6-pixel patches it reads, "
+                         "fitted to the training images (not trained)", False)
+    ema: float = _flag("evaluate a moving average of the weights, updated after each step with this decay "
+                       "(0: off)", 0.0)
     label_smoothing: float = _flag("move this much of each target's probability to uniform", 0.0)
     tta: bool = _flag("test-time augmentation: score each test image and its mirror image (the summary "
                       "gives accuracy with and without)", False)
@@ -86,6 +90,9 @@ def validate(config: TrainConfig) -> TrainConfig:
              f"--label-smoothing must be in [0, 1), got {config.label_smoothing}")
     _require(0 <= config.cutout <= 28, f"--cutout must be between 0 and 28 pixels, got {config.cutout}")
     _require(not config.cutout or config.augment, "--cutout is part of the training augmentation: add --augment")
+    _require(not config.whiten or config.model == "speedrun",
+             f"--whiten fits the speedrun model's first layer; it does not apply to --model {config.model}")
+    _require(math.isfinite(config.ema) and 0 <= config.ema < 1, f"--ema must be in [0, 1), got {config.ema}")
     _require(0 <= config.max_shift <= 4, f"--max-shift must be between 0 and 4 pixels, got {config.max_shift}")
     _require(config.clip_norm is None or (math.isfinite(config.clip_norm) and config.clip_norm > 0),
              f"clip norm must be a positive number, got {config.clip_norm}")
@@ -156,7 +163,7 @@ def codelab() -> TrainConfig:
 # length is checked through the plan; cadences (log_every, checkpoint_every, keep) may change.
 TRAJECTORY_FIELDS = ("model", "batch_size", "optimizer", "lr", "schedule", "warmup_steps", "weight_decay",
                      "momentum", "nesterov", "clip_norm", "dtype", "augment", "max_shift", "alternate_flips", "cutout",
-                     "label_smoothing", "seed", "seeds", "sweep")
+                     "whiten", "ema", "label_smoothing", "seed", "seeds", "sweep")
 
 
 def differences(saved: dict, wanted: dict, names) -> list[str]:

@@ -117,7 +117,7 @@ def train(config: TrainConfig, plan: Plan, dataset: data.Dataset, run_dir: RunDi
 
 def finish(config: TrainConfig, result: train_lib.FitResult, dataset: data.Dataset, run_dir: RunDir, mesh) -> dict:
     """Evaluate on the whole test set and write every artifact; returns summary.json."""
-    scored = score(config, result.state.params, dataset, mesh)
+    scored = score(config, train_lib.evaluated_params(config, result.state), dataset, mesh)
     summary = make_summary(config, result, scored["report"], mesh)
     if is_writer():
         write_eval_artifacts(run_dir, scored, dataset)
@@ -199,7 +199,7 @@ def make_summary(config: TrainConfig, result: train_lib.FitResult, report: dict,
         "train_seconds": stats.train_seconds,
         "wall_seconds": stats.wall_seconds,
         "final_train_loss": stats.final_train_loss,
-        "params_digest": train_lib.params_digest(result.state.params),
+        "params_digest": train_lib.params_digest(train_lib.evaluated_params(config, result.state)),  # those scored
         "backend": env["backend"],
         "device_kind": env["device_kind"],
         "device_count": int(mesh.devices.size),
@@ -253,7 +253,7 @@ def load_trained(run_dir: str | Path, note=lambda message: None) -> Trained:
     config = TrainConfig(**artifacts.read_json(run_dir / "config.json")["config"])
     template = train_lib.initial_state(config, 1)
     step, state, _ = checkpoint.read_latest(run_dir / "checkpoints", template, note)
-    return Trained(run_dir, config, step, state.params)
+    return Trained(run_dir, config, step, train_lib.evaluated_params(config, state))
 
 
 def rescore(run_dir: Path, dataset: data.Dataset, mesh, note=lambda message: None) -> dict:

@@ -84,8 +84,13 @@ def _optimizer(config: TrainConfig, learning_rate, weight_decay, momentum) -> op
         optimizer = optax.chain(optax.add_decayed_weights(weight_decay), sgd)
     if config.clip_norm is not None:
         optimizer = optax.chain(optax.clip_by_global_norm(config.clip_norm), optimizer)
-    if models.get(config.model).apply_train is not None:  # running statistics are not trained
+    model = models.get(config.model)
+    if model.apply_train is not None:  # running statistics are not trained
         optimizer = optax.masked(optimizer, _trainable)
+    if config.whiten:  # optax.masked passes the masked leaves' gradients through: zero the frozen layer's
+        optimizer = optax.chain(optimizer, optax.masked(optax.set_to_zero(), partial(_leaf_mask, model.whitened)))
+    if config.ema:
+        optimizer = optax.chain(optimizer, params_ema(config.ema))
     return optimizer
 
 
@@ -93,6 +98,37 @@ def _trainable(params: dict) -> dict:
     """True for every leaf the optimizer updates: all but params["stats"]."""
     return {name: jax.tree_util.tree_map(lambda _, trained=name != "stats": trained, subtree)
             for name, subtree in params.items()}
+
+
+def _leaf_mask(names: tuple[str, ...], params: dict) -> dict:
+    """True for the one leaf at params[names[0]][names[1]]..., False elsewhere."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: tuple(k.key for k in path) == names, params)
+
+
+class EmaState(NamedTuple):
+    ema: Any  # the moving average of the parameters, as they stand after each update
+
+
+def params_ema(decay: float) -> optax.GradientTransformation:
+    """A last link of an optax chain that leaves the updates alone and keeps, in its state, the moving
+    average ema' = decay * ema + (1 - decay) * (params + updates), starting from the initial params."""
+    def init(params):
+        return EmaState(jax.tree.map(jnp.asarray, params))
+
+    def update(updates, state, params):
+        new_params = optax.apply_updates(params, updates)
+        return updates, EmaState(jax.tree.map(lambda e, p: decay * e + (1 - decay) * p, state.ema, new_params))
+
+    return optax.GradientTransformation(init, update)
+
+
+def evaluated_params(config: TrainConfig, state: TrainState):
+    """The parameters a run is scored with: its weights' moving average with --ema (the running
+    statistics stay the trained model's own, which track the current weights), else its weights."""
+    if not config.ema:
+        return state.params
+    ema = optax.tree.get(state.opt_state, "ema")
+    return {**ema, "stats": state.params["stats"]} if "stats" in state.params else ema
 
 
 def scale_images(images_u8):
@@ -138,19 +174,27 @@ def make_train_step(model: models.Model, optimizer: optax.GradientTransformation
     return train_step
 
 
-def init_state(model: models.Model, optimizer, seed: int) -> TrainState:
-    """The fresh state of a run: parameters from the seed's init stream, step 0."""
+def init_state(model: models.Model, optimizer, seed: int, whiten_images=None) -> TrainState:
+    """The fresh state of a run: parameters from the seed's init stream (the first layer fitted to
+    whiten_images when given), step 0."""
     params = model.init(root_keys(seed)["init"])
+    if whiten_images is not None:
+        params = model.whiten(params, whiten_images)
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
 
-def initial_state(config: TrainConfig, schedule_steps: int) -> TrainState:
+def initial_state(config: TrainConfig, schedule_steps: int, train_images_u8=None) -> TrainState:
     """The fresh state of a run, or of all its members stacked on a leading axis: member i is the
-    state of the single run of member_configs(config)[i] (its seed, its swept values)."""
+    state of the single run of member_configs(config)[i] (its seed, its swept values).
+
+    With --whiten the training images fit the first layer; without them the state is a template
+    (the shapes a checkpoint restores into).
+    """
     model = models.get(config.model)
+    whiten_images = train_images_u8 if config.whiten else None
     # Each member's optimizer state starts from its own swept values: one optimizer then serves all.
     states = [init_state(model, make_optimizer(dataclasses.replace(member, sweep=config.sweep), schedule_steps),
-                         member.seed) for member in config_lib.member_configs(config)]
+                         member.seed, whiten_images) for member in config_lib.member_configs(config)]
     return stack(states) if len(states) > 1 else states[0]
 
 
@@ -301,7 +345,7 @@ def fit(
     model = models.get(config.model)
     optimizer = make_optimizer(config, plan.schedule_steps)
     train_step = make_train_step(model, optimizer, compute_dtype(config.dtype), config.label_smoothing)
-    state, stats = start if start is not None else (initial_state(config, plan.schedule_steps), TrainStats())
+    state, stats = start if start is not None else (initial_state(config, plan.schedule_steps, train_images_u8), TrainStats())
     stats = dataclasses.replace(stats)  # a copy: the caller's figures stay as they were
     wall_before = stats.wall_seconds
     chunks_run = 0  # in this process lifetime: its first chunk is the warm-up
