@@ -204,7 +204,7 @@ def test_whitening_filters_by_hand():
 def test_whitened_first_layer_whitens_its_patches_and_stays_frozen(small_dataset):
     model = models.get("speedrun")
     images = small_dataset.train.images_u8.reshape(len(small_dataset.train.labels), -1)  # fewer than WHITEN_IMAGES
-    params = model.whiten(model.init(jax.random.key(0)), images)
+    params = model.whitening(images)(model.init(jax.random.key(0)))
     scaled = (np.asarray(images, np.float32).reshape(-1, 28, 28) / 255 - models.PIXEL_MEAN) / models.PIXEL_STD
     response = np.asarray(layers.conv3x3_same(layers.space_to_depth(jnp.asarray(scaled)), params["conv0"]["w"]))
     interior = response[:, 1:-1, 1:-1, :].reshape(-1, response.shape[-1])  # whole windows: those fitted

@@ -37,9 +37,9 @@ class Model:
     # For models with running statistics (batch norm), kept under params["stats"] and never touched
     # by the optimizer: (params, images, compute_dtype) -> (logits, the updated params["stats"]).
     apply_train: Callable | None = None
-    # For models whose first layer can be fitted to the data (--whiten): (params, training images
-    # (N, 784) uint8) -> params with that layer set; `whitened` names its leaf, which training freezes.
-    whiten: Callable | None = None
+    # For models whose first layer can be fitted to the data (--whiten): (training images (N, 784)
+    # uint8) -> (params -> params with that layer set); `whitened` names its leaf, which training freezes.
+    whitening: Callable | None = None
     whitened: tuple[str, ...] = ()
 
 
@@ -181,7 +181,8 @@ def whitening_filters(patches: np.ndarray, count: int, eps: float = 5e-4) -> np.
     (as airbench does), so that a ReLU after them keeps both signs. Computed in float64 on the host.
     """
     patches = np.asarray(patches, np.float64)
-    eigenvalues, eigenvectors = np.linalg.eigh(patches.T @ patches / patches.shape[0])  # ascending
+    # einsum, not patches.T @ patches: threaded BLAS took 22 s on this tall, thin product (2 cores, busy)
+    eigenvalues, eigenvectors = np.linalg.eigh(np.einsum("ni,nj->ij", patches, patches) / len(patches))  # ascending
     leading = eigenvectors[:, ::-1][:, :count] / np.sqrt(eigenvalues[::-1][:count] + eps)
     return np.concatenate([leading, -leading], axis=1)
 
@@ -189,17 +190,17 @@ def whitening_filters(patches: np.ndarray, count: int, eps: float = 5e-4) -> np.
 WHITEN_IMAGES = 5000  # the first training images' patches are plenty for a 36x36 second-moment matrix
 
 
-def speedrun_whiten(params: dict, images_u8) -> dict:
-    """The first convolution set to whiten the 3x3 patches of the stem's map (6x6 pixels each),
-    fitted to the first WHITEN_IMAGES training images: half its filters the leading directions, half
-    their negations."""
+def speedrun_whitening(images_u8) -> Callable[[dict], dict]:
+    """Set the first convolution to whiten the 3x3 patches of the stem's map (6x6 pixels each), as
+    fitted once to the first WHITEN_IMAGES training images: half its filters the leading directions,
+    half their negations."""
     images = np.asarray(images_u8[:WHITEN_IMAGES], np.float32).reshape(-1, IMAGE_SIDE, IMAGE_SIDE) / 255.0
     x = np.asarray(layers.space_to_depth((images - PIXEL_MEAN) / PIXEL_STD))  # (N, 14, 14, 4)
     side = x.shape[1] - 2  # whole 3x3 windows only
     patches = np.concatenate([x[:, i:i + side, j:j + side, :] for i in range(3) for j in range(3)], axis=-1)
     filters = whitening_filters(patches.reshape(-1, patches.shape[-1]), SPEEDRUN_WIDTHS[0] // 2)
-    conv0 = {**params["conv0"], "w": jnp.asarray(filters.reshape(params["conv0"]["w"].shape), jnp.float32)}
-    return {**params, "conv0": conv0}
+    weights = jnp.asarray(filters.reshape(3, 3, x.shape[-1], -1), jnp.float32)  # HWIO, as conv3x3_same reads it
+    return lambda params: {**params, "conv0": {**params["conv0"], "w": weights}}
 
 
 def speedrun_apply(params: dict, images, compute_dtype=jnp.float32):
@@ -230,7 +231,7 @@ REGISTRY: dict[str, Model] = {
         "speedrun", speedrun_init, speedrun_apply, _train_flops(_speedrun_macs()),
         description="space-to-depth stem, three batch-normed 3x3 convs "
                     f"({'-'.join(map(str, SPEEDRUN_WIDTHS))}), dense({SPEEDRUN_HIDDEN})-10, ReLU",
-        apply_train=speedrun_apply_train, whiten=speedrun_whiten, whitened=("conv0", "w"),
+        apply_train=speedrun_apply_train, whitening=speedrun_whitening, whitened=("conv0", "w"),
     ),
 }
 

@@ -113,7 +113,7 @@ def params_ema(decay: float) -> optax.GradientTransformation:
     """A last link of an optax chain that leaves the updates alone and keeps, in its state, the moving
     average ema' = decay * ema + (1 - decay) * (params + updates), starting from the initial params."""
     def init(params):
-        return EmaState(jax.tree.map(jnp.asarray, params))
+        return EmaState(jax.tree.map(jnp.copy, params))  # own buffers: the state is donated to each chunk
 
     def update(updates, state, params):
         new_params = optax.apply_updates(params, updates)
@@ -174,12 +174,12 @@ def make_train_step(model: models.Model, optimizer: optax.GradientTransformation
     return train_step
 
 
-def init_state(model: models.Model, optimizer, seed: int, whiten_images=None) -> TrainState:
-    """The fresh state of a run: parameters from the seed's init stream (the first layer fitted to
-    whiten_images when given), step 0."""
+def init_state(model: models.Model, optimizer, seed: int, whiten=None) -> TrainState:
+    """The fresh state of a run: parameters from the seed's init stream (then passed through whiten,
+    which sets a layer fitted to the data, when given), step 0."""
     params = model.init(root_keys(seed)["init"])
-    if whiten_images is not None:
-        params = model.whiten(params, whiten_images)
+    if whiten is not None:
+        params = whiten(params)
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
 
@@ -191,10 +191,10 @@ def initial_state(config: TrainConfig, schedule_steps: int, train_images_u8=None
     (the shapes a checkpoint restores into).
     """
     model = models.get(config.model)
-    whiten_images = train_images_u8 if config.whiten else None
+    whiten = model.whitening(train_images_u8) if config.whiten and train_images_u8 is not None else None
     # Each member's optimizer state starts from its own swept values: one optimizer then serves all.
     states = [init_state(model, make_optimizer(dataclasses.replace(member, sweep=config.sweep), schedule_steps),
-                         member.seed, whiten_images) for member in config_lib.member_configs(config)]
+                         member.seed, whiten) for member in config_lib.member_configs(config)]
     return stack(states) if len(states) > 1 else states[0]
 
 
@@ -299,7 +299,7 @@ class TrainStats:
     """
 
     compile_seconds: float = 0.0
-    train_seconds: float = 0.0  # inside training chunks: compile and evaluation excluded
+    train_seconds: float = 0.0  # inside training chunks (and fitting --whiten): compile and evaluation excluded
     steady_examples: int = 0  # every chunk but the first of each process lifetime (its warm-up)
     steady_seconds: float = 0.0
     wall_seconds: float = 0.0  # fit() from start to end, compile and checkpoints included
@@ -345,7 +345,12 @@ def fit(
     model = models.get(config.model)
     optimizer = make_optimizer(config, plan.schedule_steps)
     train_step = make_train_step(model, optimizer, compute_dtype(config.dtype), config.label_smoothing)
-    state, stats = start if start is not None else (initial_state(config, plan.schedule_steps, train_images_u8), TrainStats())
+    if start is None:
+        tic = time.perf_counter()
+        start = initial_state(config, plan.schedule_steps, train_images_u8), TrainStats()
+        if config.whiten:  # fitting the first layer to the training images is part of training
+            start[1].train_seconds = time.perf_counter() - tic
+    state, stats = start
     stats = dataclasses.replace(stats)  # a copy: the caller's figures stay as they were
     wall_before = stats.wall_seconds
     chunks_run = 0  # in this process lifetime: its first chunk is the warm-up
