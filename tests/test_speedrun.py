@@ -252,10 +252,9 @@ def test_a_run_with_ema_is_scored_with_the_average_and_the_current_statistics(sm
     assert train.evaluated_params(TINY, plain.state) is plain.state.params
 
 
-@pytest.mark.parametrize("technique", [["--whiten"], ["--ema", "0.9"]])
-def test_whitened_or_averaged_runs_resume_bit_identically(tmp_path, synthetic_cli, capsys, technique):
+def test_a_whitened_averaged_run_resumes_bit_identically(tmp_path, synthetic_cli, capsys):
     flags = ["--model", "speedrun", "--batch-size", "64", "--log-every", "4", "--schedule", "constant", "--quiet",
-             "--json", *technique]
+             "--json", "--whiten", "--ema", "0.9"]
     assert cli.main(["train", *flags, "--steps", "12", "--run-dir", str(tmp_path / "straight")]) == 0
     straight = json.loads(capsys.readouterr().out)
     assert cli.main(["train", *flags, "--steps", "8", "--run-dir", str(tmp_path / "split")]) == 0
