@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import sys
+from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
+import optax
 
-from fashionjax import cli, models
+from fashionjax import cli, models, train
 
 
 def reshape_speedrun(widths: tuple[int, ...], pools: tuple[bool, ...], hidden: int) -> None:
@@ -35,6 +39,68 @@ def reshape_speedrun(widths: tuple[int, ...], pools: tuple[bool, ...], hidden: i
         models.REGISTRY["speedrun"], train_flops_per_example=models._train_flops(models._speedrun_macs()))
 
 
+def add_hidden_dropout(rate: float) -> None:
+    """Dropout on the hidden layer's input in training, for this probe only. Its mask comes from a key
+    folded from the batch's own pixels (the probe has no key stream to draw from): different for each
+    augmented batch, and the same again on resume."""
+    dense = models._dense
+
+    def dropped_dense(x, layer, compute_dtype):
+        if layer["w"].shape[0] == models.SPEEDRUN_FLAT and x.shape[0] > 0 and _TRAINING[0]:
+            salt = jax.lax.bitcast_convert_type(jax.numpy.sum(x.astype(jax.numpy.float32)), jax.numpy.int32)
+            keep = jax.random.bernoulli(jax.random.fold_in(jax.random.key(0), salt), 1 - rate, x.shape)
+            x = jax.numpy.where(keep, x / (1 - rate), 0).astype(x.dtype)
+        return dense(x, layer, compute_dtype)
+
+    forward = models.speedrun_forward
+
+    def forward_marking_training(params, images, compute_dtype=jax.numpy.float32, train=False):
+        _TRAINING[0] = train
+        try:
+            return forward(params, images, compute_dtype, train)
+        finally:
+            _TRAINING[0] = False
+
+    models._dense = dropped_dense
+    models.speedrun_forward = forward_marking_training
+
+
+class LookaheadState(NamedTuple):
+    count: jax.Array
+    slow: dict
+
+
+def lookahead(period: int, alpha: float) -> optax.GradientTransformation:
+    """A last chain link: every `period` steps the slow weights move alpha of the way to the fast ones
+    and the fast weights restart from them (Zhang et al., 2019)."""
+    def init(params):
+        return LookaheadState(jnp.zeros((), jnp.int32), jax.tree.map(jnp.copy, params))
+
+    def update(updates, state, params):
+        fast = optax.apply_updates(params, updates)
+        count = state.count + 1
+        sync = count % period == 0
+        slow = jax.tree.map(lambda s, f: jnp.where(sync, s + alpha * (f - s), s), state.slow, fast)
+        updates = jax.tree.map(lambda u, s, p: jnp.where(sync, s - p, u), updates, slow, params)
+        return updates, LookaheadState(count, slow)
+
+    return optax.GradientTransformation(init, update)
+
+
+def add_lookahead(period: int, alpha: float) -> None:
+    """Chain Lookahead after the recipe's optimizer, over the trained leaves (not the running statistics)."""
+    build = train._optimizer
+
+    def with_lookahead(*args, **kwargs):
+        return optax.chain(build(*args, **kwargs), optax.masked(
+            lookahead(period, alpha), functools.partial(train._path_mask, lambda path: path[0] != "stats")))
+
+    train._optimizer = with_lookahead
+
+
+_TRAINING = [False]  # set while speedrun_forward traces its training form
+
+
 def main() -> int:
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
@@ -43,11 +109,19 @@ def main() -> int:
     parser.add_argument("--pools", default="".join("1" if p else "0" for p in models.SPEEDRUN_POOLS))
     parser.add_argument("--hidden", type=int, default=models.SPEEDRUN_HIDDEN)
     parser.add_argument("--gelu", action="store_true", help="GELU instead of ReLU after each batch norm")
+    parser.add_argument("--lookahead", default=None, metavar="K,ALPHA",
+                        help="Lookahead: every K steps move slow weights ALPHA of the way to the fast ones")
+    parser.add_argument("--dropout", type=float, default=0.0, help="drop this fraction of the hidden units in training")
     args = parser.parse_args(argv[:split])
     widths = tuple(int(w) for w in args.widths.split(","))
     if len(args.pools) != len(widths) or set(args.pools) - {"0", "1"}:
         parser.error(f"--pools needs one 0 or 1 per width ({len(widths)}), got {args.pools!r}")
     reshape_speedrun(widths, tuple(p == "1" for p in args.pools), args.hidden)
+    if args.dropout:
+        add_hidden_dropout(args.dropout)
+    if args.lookahead:
+        period, alpha = args.lookahead.split(",")
+        add_lookahead(int(period), float(alpha))
     if args.gelu:
         jax.nn.relu = jax.nn.gelu  # only the speedrun network calls relu; this process only
     print(f"speedrun variant: widths {widths}, pools {args.pools}, hidden {args.hidden}, "

@@ -117,8 +117,9 @@ def train(config: TrainConfig, plan: Plan, dataset: data.Dataset, run_dir: RunDi
 
 def finish(config: TrainConfig, result: train_lib.FitResult, dataset: data.Dataset, run_dir: RunDir, mesh) -> dict:
     """Evaluate on the whole test set and write every artifact; returns summary.json."""
-    scored = score(config, train_lib.evaluated_params(config, result.state), dataset, mesh)
-    summary = make_summary(config, result, scored["report"], mesh)
+    params = train_lib.evaluated_params(config, result.state)
+    scored = score(config, params, dataset, mesh)
+    summary = make_summary(config, result, params, scored["report"], mesh)
     if is_writer():
         write_eval_artifacts(run_dir, scored, dataset)
         plots.curve(artifacts.read_jsonl(run_dir.path / "metrics.jsonl"), run_dir.file("curve.png"))
@@ -175,7 +176,7 @@ def sweep_rows(members: list[dict], config: TrainConfig, examples: int) -> dict:
     return {"sweep": rows, "best": max(finite, key=lambda row: row["test_accuracy"])}
 
 
-def make_summary(config: TrainConfig, result: train_lib.FitResult, report: dict, mesh) -> dict:
+def make_summary(config: TrainConfig, result: train_lib.FitResult, scored_params, report: dict, mesh) -> dict:
     env = environment.describe()
     plan, stats = result.plan, result.stats
     return {
@@ -199,7 +200,7 @@ def make_summary(config: TrainConfig, result: train_lib.FitResult, report: dict,
         "train_seconds": stats.train_seconds,
         "wall_seconds": stats.wall_seconds,
         "final_train_loss": stats.final_train_loss,
-        "params_digest": train_lib.params_digest(train_lib.evaluated_params(config, result.state)),  # those scored
+        "params_digest": train_lib.params_digest(scored_params),
         "backend": env["backend"],
         "device_kind": env["device_kind"],
         "device_count": int(mesh.devices.size),

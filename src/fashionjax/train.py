@@ -86,23 +86,18 @@ def _optimizer(config: TrainConfig, learning_rate, weight_decay, momentum) -> op
         optimizer = optax.chain(optax.clip_by_global_norm(config.clip_norm), optimizer)
     model = models.get(config.model)
     if model.apply_train is not None:  # running statistics are not trained
-        optimizer = optax.masked(optimizer, _trainable)
+        optimizer = optax.masked(optimizer, partial(_path_mask, lambda path: path[0] != "stats"))
     if config.whiten:  # optax.masked passes the masked leaves' gradients through: zero the frozen layer's
-        optimizer = optax.chain(optimizer, optax.masked(optax.set_to_zero(), partial(_leaf_mask, model.whitened)))
+        optimizer = optax.chain(optimizer, optax.masked(optax.set_to_zero(),
+                                                        partial(_path_mask, lambda path: path == model.whitened)))
     if config.ema:
         optimizer = optax.chain(optimizer, params_ema(config.ema))
     return optimizer
 
 
-def _trainable(params: dict) -> dict:
-    """True for every leaf the optimizer updates: all but params["stats"]."""
-    return {name: jax.tree_util.tree_map(lambda _, trained=name != "stats": trained, subtree)
-            for name, subtree in params.items()}
-
-
-def _leaf_mask(names: tuple[str, ...], params: dict) -> dict:
-    """True for the one leaf at params[names[0]][names[1]]..., False elsewhere."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: tuple(k.key for k in path) == names, params)
+def _path_mask(selects: Callable[[tuple], bool], params: dict) -> dict:
+    """An optax mask: each leaf of params -> selects(its path of dict keys), e.g. ("conv0", "w")."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: selects(tuple(k.key for k in path)), params)
 
 
 class EmaState(NamedTuple):
