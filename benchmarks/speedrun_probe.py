@@ -5,7 +5,7 @@ The variant replaces the model's shape constants in this process only; everythin
 run directory, summary.json) is the train command's own. Usage:
 
     python benchmarks/speedrun_probe.py [--widths 32,64,128,128] [--pools 0101] [--hidden 512]
-        [--gelu] -- train --model speedrun --run-dir runs/probe ...
+        [--gelu] [--dropout 0.3] [--lookahead 5,0.5] -- train --model speedrun --run-dir runs/probe ...
 
 --pools holds one digit per convolution: 1 max-pools (2x2) after it. The last map is flattened.
 """

@@ -37,7 +37,7 @@ def test_bench_cli_tiny_run_writes_the_schema(tmp_path, synthetic_cli, monkeypat
     monkeypatch.setattr(bench, "measure_cpu_peak", lambda dtype: 1e11)  # the probe is timed elsewhere
     out_dir = tmp_path / "bench"
     code = cli.main(["bench", "--batch-sizes", "64,128", "--dtypes", "float32,bfloat16", "--steps", "4",
-                     "--repeats", "2", "--out", str(out_dir), "--json"])
+                     "--repeats", "2", "--members", "1,2", "--out", str(out_dir), "--json"])
     assert code == 0
     document = json.loads(capsys.readouterr().out)
     assert document == json.loads((out_dir / "bench.json").read_text())

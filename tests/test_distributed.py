@@ -129,7 +129,7 @@ def test_killed_worker_makes_the_other_exit_nonzero_in_bounded_time(real_dataset
 
 def test_bench_reports_per_device_figures_and_scaling(real_dataset, tmp_path):
     result = subprocess.run([sys.executable, "-m", "fashionjax", "bench", "--batch-sizes", "512", "--dtypes", "float32",
-                             "--steps", "5", "--repeats", "1", "--out", str(tmp_path / "bench"), "--json", "--offline"],
+                             "--steps", "5", "--repeats", "1", "--members", "1", "--out", str(tmp_path / "bench"), "--json", "--offline"],
                             capture_output=True, text=True, timeout=300, env=devices_env(4))
     assert result.returncode == 0, result.stderr[-3000:]
     document = json.loads(result.stdout)
