@@ -47,14 +47,14 @@ def add_hidden_dropout(rate: float) -> None:
 
     def dropped_dense(x, layer, compute_dtype):
         if layer["w"].shape[0] == models.SPEEDRUN_FLAT and x.shape[0] > 0 and _TRAINING[0]:
-            salt = jax.lax.bitcast_convert_type(jax.numpy.sum(x.astype(jax.numpy.float32)), jax.numpy.int32)
+            salt = jax.lax.bitcast_convert_type(jnp.sum(x.astype(jnp.float32)), jnp.int32)
             keep = jax.random.bernoulli(jax.random.fold_in(jax.random.key(0), salt), 1 - rate, x.shape)
-            x = jax.numpy.where(keep, x / (1 - rate), 0).astype(x.dtype)
+            x = jnp.where(keep, x / (1 - rate), 0).astype(x.dtype)
         return dense(x, layer, compute_dtype)
 
     forward = models.speedrun_forward
 
-    def forward_marking_training(params, images, compute_dtype=jax.numpy.float32, train=False):
+    def forward_marking_training(params, images, compute_dtype=jnp.float32, train=False):
         _TRAINING[0] = train
         try:
             return forward(params, images, compute_dtype, train)

@@ -100,24 +100,21 @@ def titled_grid(images_u8: np.ndarray, titles: Sequence[str], colors: Sequence[s
     columns = columns or min(len(images_u8), 6) or 1
     rows = rows or max(-(-len(images_u8) // columns), 1)
     (cell_rows, cell_columns), side = GRID_CELL, images_u8.shape[-1]
-    canvas = np.full((rows * cell_rows, columns * cell_columns), 255, np.uint8)
-    top_margin, left_margin = cell_rows - side - 2, (cell_columns - side) // 2
-    for k in range(min(len(images_u8), rows * columns)):
-        row, column = divmod(k, columns)
-        top, left = row * cell_rows + top_margin, column * cell_columns + left_margin
-        canvas[top:top + side, left:left + side] = images_u8[k]
+    canvas = np.full((rows * cell_rows, columns * cell_columns), 255, np.uint8)  # white between the images
     grid_height, width = canvas.shape[0] * GRID_INCH, canvas.shape[1] * GRID_INCH
     height = grid_height + 0.5  # and a band for the title
     fig = plt.figure(figsize=(width, height))
-    ax = fig.add_axes((0, 0, 1, grid_height / height))
-    ax.imshow(canvas, cmap="gray", vmin=0, vmax=255, interpolation="nearest", aspect="auto")
-    ax.axis("off")
     fig.text(0.5, 1 - 0.25 / height, title, ha="center", va="center", fontsize=12)
     for k in range(min(len(images_u8), rows * columns)):
         row, column = divmod(k, columns)
-        above_image = (rows - row - 1) * cell_rows + side + 2 + 1  # image pixels from the grid's bottom
+        top, left = (row + 1) * cell_rows - side - 2, column * cell_columns + (cell_columns - side) // 2
+        canvas[top:top + side, left:left + side] = images_u8[k]
+        above_image = (rows - row - 1) * cell_rows + side + 3  # in image pixels from the grid's bottom
         fig.text((column + 0.5) / columns, above_image * GRID_INCH / height, titles[k], ha="center", va="bottom",
                  fontsize=8, color=colors[k])
+    ax = fig.add_axes((0, 0, 1, grid_height / height))
+    ax.imshow(canvas, cmap="gray", vmin=0, vmax=255, interpolation="nearest", aspect="auto")
+    ax.axis("off")
     return _save(fig, path)
 
 
