@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import sys
 from typing import NamedTuple
 
@@ -92,8 +91,7 @@ def add_lookahead(period: int, alpha: float) -> None:
     build = train._optimizer
 
     def with_lookahead(*args, **kwargs):
-        return optax.chain(build(*args, **kwargs), optax.masked(
-            lookahead(period, alpha), functools.partial(train._path_mask, lambda path: path[0] != "stats")))
+        return optax.chain(build(*args, **kwargs), optax.masked(lookahead(period, alpha), train.trained_mask))
 
     train._optimizer = with_lookahead
 

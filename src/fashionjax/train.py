@@ -86,7 +86,7 @@ def _optimizer(config: TrainConfig, learning_rate, weight_decay, momentum) -> op
         optimizer = optax.chain(optax.clip_by_global_norm(config.clip_norm), optimizer)
     model = models.get(config.model)
     if model.apply_train is not None:  # running statistics are not trained
-        optimizer = optax.masked(optimizer, partial(_path_mask, lambda path: path[0] != "stats"))
+        optimizer = optax.masked(optimizer, trained_mask)
     if config.whiten:  # optax.masked passes the masked leaves' gradients through: zero the frozen layer's
         optimizer = optax.chain(optimizer, optax.masked(optax.set_to_zero(),
                                                         partial(_path_mask, lambda path: path == model.whitened)))
@@ -98,6 +98,11 @@ def _optimizer(config: TrainConfig, learning_rate, weight_decay, momentum) -> op
 def _path_mask(selects: Callable[[tuple], bool], params: dict) -> dict:
     """An optax mask: each leaf of params -> selects(its path of dict keys), e.g. ("conv0", "w")."""
     return jax.tree_util.tree_map_with_path(lambda path, _: selects(tuple(k.key for k in path)), params)
+
+
+def trained_mask(params: dict) -> dict:
+    """True for every leaf the optimizer updates: all but the running statistics under params["stats"]."""
+    return _path_mask(lambda path: path[0] != "stats", params)
 
 
 class EmaState(NamedTuple):

@@ -29,7 +29,7 @@ def _save(fig, path: str | Path) -> Path:
 def samples(images_u8: np.ndarray, labels: np.ndarray, class_names: Sequence[str], path) -> Path:
     """One training example per class (black where a class has none), 2 x 5, titled with the class name."""
     firsts = [np.flatnonzero(labels == label)[:1] for label in range(len(class_names))]
-    shown = np.stack([images_u8[first[0]] if len(first) else np.zeros((28, 28), np.uint8) for first in firsts])
+    shown = np.stack([images_u8[first[0]] if len(first) else np.zeros(images_u8.shape[1:], np.uint8) for first in firsts])
     return titled_grid(shown, list(class_names), [NEUTRAL] * len(class_names), path,
                        "One Fashion-MNIST example per class", columns=5, rows=2)
 
