@@ -4,7 +4,7 @@ the probe table of 2026-12-03).
 The variant replaces the model's shape constants in this process only; everything else (flags,
 run directory, summary.json) is the train command's own. Usage:
 
-    python benchmarks/speedrun_probe.py [--widths 32,64,128,128] [--pools 0101] [--hidden 512]
+    python benchmarks/speedrun_probe.py [--widths 18,64,64,128] [--pools 1011] [--hidden 512]
         [--gelu] [--dropout 0.3] [--lookahead 5,0.5] -- train --model speedrun --run-dir runs/probe ...
 
 --pools holds one digit per convolution: 1 max-pools (2x2) after it. The last map is flattened.
@@ -25,13 +25,13 @@ from fashionjax import cli, models, train
 
 
 def reshape_speedrun(widths: tuple[int, ...], pools: tuple[bool, ...], hidden: int) -> None:
-    """Point the speedrun model's constants at another shape (convolutions at 14x14 after the stem)."""
-    sides, side = [], 14
+    """Point the speedrun model's constants at another shape (the first convolution reads the 28x28 pixels)."""
+    sides, side = [], 28
     for pool in pools:
         sides.append(side)
         side = (side + 1) // 2 if pool else side
     models.SPEEDRUN_WIDTHS, models.SPEEDRUN_POOLS, models.SPEEDRUN_SIDES = widths, pools, tuple(sides)
-    models.SPEEDRUN_FAN_INS = tuple(9 * c for c in (4, *widths[:-1]))
+    models.SPEEDRUN_FAN_INS = tuple(9 * c for c in (1, *widths[:-1]))
     models.SPEEDRUN_FLAT = side * side * widths[-1]
     models.SPEEDRUN_HIDDEN = hidden
     models.REGISTRY["speedrun"] = dataclasses.replace(
@@ -112,8 +112,9 @@ def main() -> int:
     parser.add_argument("--dropout", type=float, default=0.0, help="drop this fraction of the hidden units in training")
     args = parser.parse_args(argv[:split])
     widths = tuple(int(w) for w in args.widths.split(","))
-    if len(args.pools) != len(widths) or set(args.pools) - {"0", "1"}:
-        parser.error(f"--pools needs one 0 or 1 per width ({len(widths)}), got {args.pools!r}")
+    if len(args.pools) != len(widths) or set(args.pools) - {"0", "1"} or args.pools[0] != "1":
+        parser.error(f"--pools needs one 0 or 1 per width ({len(widths)}), the first 1 (the first layer "
+                     f"always pools), got {args.pools!r}")
     reshape_speedrun(widths, tuple(p == "1" for p in args.pools), args.hidden)
     if args.dropout:
         add_hidden_dropout(args.dropout)

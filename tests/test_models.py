@@ -76,7 +76,8 @@ def test_cnn_flops_by_hand():
 
 
 def test_speedrun_flops_by_hand():
-    # convolutions at 14x14 (4 -> 32 and 32 -> 64 channels) and 7x7 (64 -> 128), then 2048 -> 256 -> 10
-    macs = [14 * 14 * 9 * 4 * 32, 14 * 14 * 9 * 32 * 64, 7 * 7 * 9 * 64 * 128, 2048 * 256, 256 * 10]
+    # convolutions at 28x28 (1 -> 9 filters, pooled with their negations: 18 channels), 14x14
+    # (18 -> 64) and 7x7 (64 -> 128), then 2048 -> 256 -> 10
+    macs = [28 * 28 * 9 * 1 * 9, 14 * 14 * 9 * 18 * 64, 7 * 7 * 9 * 64 * 128, 2048 * 256, 256 * 10]
     expected = 2 * sum(macs) * 2 + 2 * sum(macs[1:])
     assert models.get("speedrun").train_flops_per_example == expected

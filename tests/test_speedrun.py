@@ -29,13 +29,25 @@ def test_batch_norm_by_hand():
     assert same is running
 
 
-def test_space_to_depth_and_odd_pooling_by_hand():
-    images = jnp.arange(16.0).reshape(1, 4, 4)
-    blocks = layers.space_to_depth(images)
-    assert blocks.shape == (1, 2, 2, 4)
-    np.testing.assert_array_equal(np.asarray(blocks[0, 0, 1]), [2, 3, 6, 7])  # the top-right 2x2 block
+def test_odd_and_signed_pooling_by_hand():
     pooled = layers.max_pool2x2(jnp.arange(9.0).reshape(1, 3, 3, 1))
     np.testing.assert_array_equal(np.asarray(pooled[0, :, :, 0]), [[4, 5], [7, 8]])  # the odd edge is kept
+    planes = jnp.array([[[[1.0, -2], [3, 0]]], [[[-5.0, 4], [2, 1]]]])  # (K=2, B=1, 2, 2)
+    signed = layers.signed_max_pool2x2_planes(planes)
+    assert signed.shape == (1, 1, 1, 4)  # channels last: each plane's max, then each negated plane's
+    np.testing.assert_array_equal(np.asarray(signed).ravel(), [3, 4, 2, 5])
+
+
+def test_planar_convolution_matches_im2col():
+    images = jax.random.normal(jax.random.key(0), (2, 6, 5))
+    w = jax.random.normal(jax.random.key(1), (3, 3, 1, 4))
+    planes = layers.conv3x3_same_planes(images, w)  # (4, 2, 6, 5)
+    np.testing.assert_allclose(np.asarray(planes.transpose(1, 2, 3, 0)),
+                               np.asarray(layers.conv3x3_same(images[..., None], w)), rtol=1e-5, atol=1e-6)
+    # by hand: a lone unit pixel at (2, 2) answers with the filter mirrored around it
+    impulse = jnp.zeros((1, 5, 5)).at[0, 2, 2].set(1.0)
+    np.testing.assert_array_equal(np.asarray(layers.conv3x3_same_planes(impulse, w)[0, 0, 1:4, 1:4]),
+                                  np.asarray(w[::-1, ::-1, 0, 0]))
 
 
 def test_label_smoothing_loss_by_hand():
@@ -195,13 +207,12 @@ def test_whitening_filters_by_hand():
     # Second moment diag(2, 0.5): the leading direction is e1 (eigenvalue 2), then e2 (0.5).
     patches = np.array([[2.0, 0.0], [-2.0, 0.0], [0.0, 1.0], [0.0, -1.0]])
     one = models.whitening_filters(patches, 1, eps=0.0)
-    np.testing.assert_allclose(np.abs(one), [[1 / math.sqrt(2), 1 / math.sqrt(2)], [0, 0]], atol=1e-12)
-    np.testing.assert_allclose(one[:, 1], -one[:, 0])  # each filter, then its negation
+    np.testing.assert_allclose(np.abs(one), [[1 / math.sqrt(2)], [0]], atol=1e-12)
     both = models.whitening_filters(patches, 2, eps=0.0)
-    np.testing.assert_allclose(np.abs(both[:, :2]), [[1 / math.sqrt(2), 0], [0, math.sqrt(2)]], atol=1e-12)
+    np.testing.assert_allclose(np.abs(both), [[1 / math.sqrt(2), 0], [0, math.sqrt(2)]], atol=1e-12)
     # Correlated patches come out with unit, uncorrelated second moments along every kept direction
     mixed = np.random.default_rng(0).normal(size=(5000, 3)) @ np.array([[3.0, 1, 0], [0, 1, 0.5], [0, 0, 0.2]])
-    projected = mixed @ models.whitening_filters(mixed, 3, eps=0.0)[:, :3]
+    projected = mixed @ models.whitening_filters(mixed, 3, eps=0.0)
     np.testing.assert_allclose(projected.T @ projected / len(mixed), np.eye(3), atol=1e-9)
 
 
@@ -210,12 +221,10 @@ def test_whitened_first_layer_whitens_its_patches_and_stays_frozen(small_dataset
     images = small_dataset.train.images_u8.reshape(len(small_dataset.train.labels), -1)  # fewer than WHITEN_IMAGES
     params = model.whitening(images)(model.init(jax.random.key(0)))
     scaled = (np.asarray(images, np.float32).reshape(-1, 28, 28) / 255 - models.PIXEL_MEAN) / models.PIXEL_STD
-    response = np.asarray(layers.conv3x3_same(layers.space_to_depth(jnp.asarray(scaled)), params["conv0"]["w"]))
-    interior = response[:, 1:-1, 1:-1, :].reshape(-1, response.shape[-1])  # whole windows: those fitted
-    half = interior.shape[1] // 2
-    np.testing.assert_allclose(interior[:, half:], -interior[:, :half], rtol=1e-6)
-    moment = interior[:, :half].T @ interior[:, :half] / len(interior)
-    np.testing.assert_allclose(moment, np.eye(half), atol=0.05)  # eps bends the weakest directions a little
+    response = np.asarray(layers.conv3x3_same_planes(jnp.asarray(scaled), params["conv0"]["w"]))  # (9, N, 28, 28)
+    interior = response[:, :, 1:-1, 1:-1].reshape(len(response), -1).T  # whole windows: those fitted
+    assert interior.shape[1] == 9  # every direction of a 3x3 patch (the model pools their negations too)
+    np.testing.assert_allclose(interior.T @ interior / len(interior), np.eye(9), atol=0.05)  # eps bends the weakest a little
     # Training moves every weight but the whitening filters (and the running statistics' own rule)
     whitened = dataclasses.replace(TINY, whiten=True, lr=0.1, weight_decay=0.5, schedule="constant")
     optimizer = train.make_optimizer(whitened, 8)

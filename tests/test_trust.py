@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from conftest import synthetic_run, write_synthetic_files
 
-from fashionjax import artifacts, cli, config, data, plan, rundir
+from fashionjax import artifacts, cli, config, data, models, plan, rundir
 from fashionjax.report import render
 
 
@@ -215,6 +215,23 @@ def test_json_errors_name_the_broken_file(finished_run, tmp_path, synthetic_cli,
     (run_dir / "config.json").write_text('{"config": ')
     assert cli.main(["eval", str(run_dir)]) == 1
     assert "config.json: not valid JSON" in capsys.readouterr().err
+
+
+def test_a_run_of_another_model_version_is_named_as_such(finished_run, tmp_path, synthetic_cli, monkeypatch, capsys):
+    # A run trained before its model changed shape (as the speedrun model did): its checkpoints are
+    # whole, of another network; one line says so instead of calling every checkpoint damaged
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    before = {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()}
+    monkeypatch.setattr(models, "MLP_WIDTHS", (784, 128, 128, 10))
+    capsys.readouterr()
+    for command in (["eval", str(run_dir), "--json"], ["train", "--resume", "--run-dir", str(run_dir), "--json"]):
+        assert cli.main(command) == 1
+        error = json.loads(capsys.readouterr().out)["error"]
+        assert error["kind"] == "checkpoint", error
+        assert "trained by another version of the model (a parameter stored as (" in error["message"]
+        assert "\n" not in error["message"]
+    assert {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()} == before
 
 
 @pytest.mark.parametrize("chart", ["../secret.png", "/etc/passwd", "sub/../../x.png", "notes.txt"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +26,9 @@ from fashionjax.config import TRAJECTORY_FIELDS, TrainConfig
 # Orbax logs every save at INFO, and its option adjustments at WARNING, through absl: keep stderr for
 # our own one-line messages.
 logging.getLogger("absl").setLevel(logging.ERROR)
+
+# How orbax refuses an array of another shape: the checkpoint is whole, but of another network.
+_OTHER_SHAPE = re.compile(r"Requested shape: (\(.*?\)) is not compatible with the stored shape: (\(.*?\))")
 
 
 class CheckpointError(RuntimeError):
@@ -57,6 +61,11 @@ def _restore_newest(manager, checkpoint_dir: Path, args_for: Callable[[], dict],
         try:
             restored = manager.restore(step, args=ocp.args.Composite(**args_for()))
         except Exception as err:  # orbax reports damage as many types; any of them means "not this one"
+            if shapes := _OTHER_SHAPE.search(str(err)):
+                raise CheckpointError(
+                    f"{checkpoint_dir}: trained by another version of the model (a parameter stored as "
+                    f"{shapes[2]}, this version's is {shapes[1]}); train it again with this version, or "
+                    "use the fashionjax that trained it") from err
             broken.append(step)
             errors.append(f"step {step}: {_first_line(err)}")
             continue

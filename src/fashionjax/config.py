@@ -47,7 +47,7 @@ class TrainConfig:
                                   "instead of at random", False)
     cutout: int = _flag("--augment also blacks out a square of this side, centred at a random pixel of each "
                         "training image (0: off)", 0)
-    whiten: bool = _flag("speedrun only: fix its first convolution to whiten the 6x6-pixel patches it reads, "
+    whiten: bool = _flag("speedrun only: fix its first convolution to whiten the 3x3-pixel patches it reads, "
                          "fitted to the training images (not trained)", False)
     ema: float = _flag("evaluate a moving average of the weights, updated after each step with this decay "
                        "(0: off)", 0.0)

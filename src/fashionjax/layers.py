@@ -29,14 +29,24 @@ def max_pool2x2(x):
     return x.reshape(batch, height // 2, 2, width // 2, 2, channels).max(axis=(2, 4))
 
 
-def space_to_depth(images, block: int = 2):
-    """(B, H, W) -> (B, H/block, W/block, block*block): each block of pixels becomes one position's channels.
+def conv3x3_same_planes(images, w):
+    """A 3x3 'SAME' convolution of one-channel images, channels first: (B, H, W) x (3, 3, 1, K) -> (K, B, H, W).
 
-    A stem that starts at 14x14 instead of 28x28 does a quarter of the elementwise work per layer.
+    With one input channel im2col's patches and its matmul are 9 wide, which vectorizes poorly; nine
+    shifted multiply-adds over whole image planes ran 3.5x faster here (AMD EPYC, batch 128, K=9).
     """
-    batch, height, width = images.shape
-    x = images.reshape(batch, height // block, block, width // block, block)
-    return x.transpose(0, 1, 3, 2, 4).reshape(batch, height // block, width // block, block * block)
+    height, width = images.shape[1:]
+    padded = jnp.pad(images, ((0, 0), (1, 1), (1, 1)))
+    return sum(w[i, j, 0][:, None, None, None] * padded[None, :, i:i + height, j:j + width]
+               for i in range(3) for j in range(3))
+
+
+def signed_max_pool2x2_planes(planes):
+    """(K, B, H, W), even sides -> (B, H/2, W/2, 2K): the 2x2 max pooling of each plane, then of its
+    negation, channels last (K filters and their negated twins, for the price of K)."""
+    count, batch, height, width = planes.shape
+    blocks = planes.reshape(count, batch, height // 2, 2, width // 2, 2)
+    return jnp.concatenate([blocks.max(axis=(3, 5)), (-blocks).max(axis=(3, 5))]).transpose(1, 2, 3, 0)
 
 
 def batch_norm(x, bias, running: dict, train: bool, momentum: float, eps: float = 1e-5):

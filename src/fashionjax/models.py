@@ -129,14 +129,15 @@ def _cnn_macs() -> list[int]:
 
 # ---------------------------------------------------------------- speedrun: built for time-to-accuracy
 
-# A 2x2 space-to-depth stem (28x28x1 -> 14x14x4), so no layer runs at 28x28; then three 3x3
-# convolutions, each followed (after pooling, where there is one) by batch norm and ReLU; the 4x4
-# feature map flattened into a hidden layer and a linear head. Pooling before the norm makes the
-# elementwise work a quarter. Why each part is there: README, "Speedrun".
-SPEEDRUN_WIDTHS = (32, 64, 128)
-SPEEDRUN_SIDES = (14, 14, 7)  # the side each convolution runs at
-SPEEDRUN_POOLS = (False, True, True)
-SPEEDRUN_FAN_INS = tuple(9 * c for c in (4, *SPEEDRUN_WIDTHS[:-1]))  # 3x3 patches of the stem's 4 channels, then each width
+# Three 3x3 convolutions, each followed by 2x2 max pooling, batch norm and ReLU (pooling before the
+# norm makes its elementwise work a quarter); the 4x4 map flattened into a hidden layer and a linear
+# head. The first reads the 28x28 pixels themselves with 9 filters (with --whiten: the 9 directions
+# of a 3x3 patch), and their negations are pooled too (18 channels, so ReLU keeps both signs), for
+# the cost of 9. Why each part is there: README, "Speedrun".
+SPEEDRUN_WIDTHS = (18, 64, 128)  # channels each convolution hands on (the first: 9 filters, negated too)
+SPEEDRUN_SIDES = (28, 14, 7)  # the side each convolution runs at
+SPEEDRUN_POOLS = (True, True, True)  # the first layer always pools
+SPEEDRUN_FAN_INS = tuple(9 * c for c in (1, *SPEEDRUN_WIDTHS[:-1]))  # 3x3 patches of the pixels, then of each width
 SPEEDRUN_FLAT = 4 * 4 * SPEEDRUN_WIDTHS[-1]  # 7x7 pooled with its odd edge kept: 4x4
 SPEEDRUN_HIDDEN = 256
 BN_MOMENTUM = 0.9
@@ -147,7 +148,8 @@ def speedrun_init(key) -> dict:
     keys = jax.random.split(key, len(SPEEDRUN_WIDTHS) + 2)
     params = {"stats": {}}
     for i, (k, fan_in, width) in enumerate(zip(keys, SPEEDRUN_FAN_INS, SPEEDRUN_WIDTHS, strict=False)):
-        params[f"conv{i}"] = {"w": _he_normal(k, (3, 3, fan_in // 9, width), fan_in),
+        filters = width // 2 if i == 0 else width
+        params[f"conv{i}"] = {"w": _he_normal(k, (3, 3, fan_in // 9, filters), fan_in),
                               "bias": jnp.zeros((width,), jnp.float32)}
         params["stats"][f"conv{i}"] = {"mean": jnp.zeros((width,), jnp.float32), "var": jnp.ones((width,), jnp.float32)}
     params["dense"] = {"w": _he_normal(keys[-2], (SPEEDRUN_FLAT, SPEEDRUN_HIDDEN), SPEEDRUN_FLAT),
@@ -159,14 +161,15 @@ def speedrun_init(key) -> dict:
 
 def speedrun_forward(params: dict, images, compute_dtype=jnp.float32, train: bool = False):
     """(logits, running statistics): in training batch statistics normalize and update them."""
-    images = images.reshape(images.shape[0], IMAGE_SIDE, IMAGE_SIDE)
-    x = layers.space_to_depth((images - PIXEL_MEAN) / PIXEL_STD).astype(compute_dtype)  # (B, 14, 14, 4)
+    x = ((images.reshape(images.shape[0], IMAGE_SIDE, IMAGE_SIDE) - PIXEL_MEAN) / PIXEL_STD).astype(compute_dtype)
     stats = {}
     for i, pool in enumerate(SPEEDRUN_POOLS):
         layer = params[f"conv{i}"]
-        x = layers.conv3x3_same(x, layer["w"].astype(compute_dtype))
-        if pool:
-            x = layers.max_pool2x2(x)
+        if i == 0:  # always pooled: (B, 28, 28) -> (B, 14, 14, 2 x filters)
+            x = layers.signed_max_pool2x2_planes(layers.conv3x3_same_planes(x, layer["w"].astype(compute_dtype)))
+        else:
+            x = layers.conv3x3_same(x, layer["w"].astype(compute_dtype))
+            x = layers.max_pool2x2(x) if pool else x
         x, stats[f"conv{i}"] = layers.batch_norm(x, layer["bias"], params["stats"][f"conv{i}"], train, BN_MOMENTUM)
         x = jax.nn.relu(x)
     x = jax.nn.relu(_dense(x.reshape(x.shape[0], -1), params["dense"], compute_dtype))  # (B, 2048) -> (B, 256)
@@ -174,32 +177,30 @@ def speedrun_forward(params: dict, images, compute_dtype=jnp.float32, train: boo
 
 
 def whitening_filters(patches: np.ndarray, count: int, eps: float = 5e-4) -> np.ndarray:
-    """(N, D) patches -> (D, 2 * count) filters that whiten them along their `count` leading directions.
+    """(N, D) patches -> (D, count) filters that whiten them along their `count` leading directions.
 
     Each filter is an eigenvector of the patches' second-moment matrix divided by the square root of
-    its eigenvalue (plus eps), so the projections have unit second moment; the negated filters follow
-    (as airbench does), so that a ReLU after them keeps both signs. Computed in float64 on the host.
+    its eigenvalue (plus eps), so the projections have unit second moment (the model pools their
+    negations too, as airbench's negated filters do). Computed in float64 on the host.
     """
     patches = np.asarray(patches, np.float64)
     # einsum, not patches.T @ patches: threaded BLAS took 22 s on this tall, thin product (2 cores, busy)
     eigenvalues, eigenvectors = np.linalg.eigh(np.einsum("ni,nj->ij", patches, patches) / len(patches))  # ascending
-    leading = eigenvectors[:, ::-1][:, :count] / np.sqrt(eigenvalues[::-1][:count] + eps)
-    return np.concatenate([leading, -leading], axis=1)
+    return eigenvectors[:, ::-1][:, :count] / np.sqrt(eigenvalues[::-1][:count] + eps)
 
 
-WHITEN_IMAGES = 5000  # the first training images' patches are plenty for a 36x36 second-moment matrix
+WHITEN_IMAGES = 5000  # the first training images' patches are plenty for a 9x9 second-moment matrix
 
 
 def speedrun_whitening(images_u8) -> Callable[[dict], dict]:
-    """Set the first convolution to whiten the 3x3 patches of the stem's map (6x6 pixels each), as
-    fitted once to the first WHITEN_IMAGES training images: half its filters the leading directions,
-    half their negations."""
+    """Set the first convolution to whiten the 3x3 pixel patches it reads, as fitted once to the
+    first WHITEN_IMAGES training images: all 9 directions, the model pooling their negations too."""
     images = np.asarray(images_u8[:WHITEN_IMAGES], np.float32).reshape(-1, IMAGE_SIDE, IMAGE_SIDE) / 255.0
-    x = np.asarray(layers.space_to_depth((images - PIXEL_MEAN) / PIXEL_STD))  # (N, 14, 14, 4)
-    side = x.shape[1] - 2  # whole 3x3 windows only
-    patches = np.concatenate([x[:, i:i + side, j:j + side, :] for i in range(3) for j in range(3)], axis=-1)
-    filters = whitening_filters(patches.reshape(-1, patches.shape[-1]), SPEEDRUN_WIDTHS[0] // 2)
-    weights = jnp.asarray(filters.reshape(3, 3, x.shape[-1], -1), jnp.float32)  # HWIO, as conv3x3_same reads it
+    x = (images - PIXEL_MEAN) / PIXEL_STD
+    side = IMAGE_SIDE - 2  # whole 3x3 windows only
+    patches = np.stack([x[:, i:i + side, j:j + side] for i in range(3) for j in range(3)], axis=-1)
+    filters = whitening_filters(patches.reshape(-1, 9), SPEEDRUN_WIDTHS[0] // 2)  # (9, 9)
+    weights = jnp.asarray(filters.reshape(3, 3, 1, -1), jnp.float32)  # HWIO, as conv3x3_same reads it
     return lambda params: {**params, "conv0": {**params["conv0"], "w": weights}}
 
 
@@ -212,8 +213,9 @@ def speedrun_apply_train(params: dict, images, compute_dtype=jnp.float32):
 
 
 def _speedrun_macs() -> list[int]:
+    filters = (SPEEDRUN_WIDTHS[0] // 2, *SPEEDRUN_WIDTHS[1:])  # the first layer's negations cost no MACs
     convs = [side * side * fan_in * width
-             for side, fan_in, width in zip(SPEEDRUN_SIDES, SPEEDRUN_FAN_INS, SPEEDRUN_WIDTHS, strict=True)]
+             for side, fan_in, width in zip(SPEEDRUN_SIDES, SPEEDRUN_FAN_INS, filters, strict=True)]
     return [*convs, SPEEDRUN_FLAT * SPEEDRUN_HIDDEN, SPEEDRUN_HIDDEN * NUM_CLASSES]
 
 
@@ -229,8 +231,8 @@ REGISTRY: dict[str, Model] = {
     ),
     "speedrun": Model(
         "speedrun", speedrun_init, speedrun_apply, _train_flops(_speedrun_macs()),
-        description="space-to-depth stem, three batch-normed 3x3 convs "
-                    f"({'-'.join(map(str, SPEEDRUN_WIDTHS))}), dense({SPEEDRUN_HIDDEN})-10, ReLU",
+        description=f"three 3x3 convs ({'-'.join(map(str, SPEEDRUN_WIDTHS))}), each pooled and batch-normed, "
+                    f"dense({SPEEDRUN_HIDDEN})-10, ReLU",
         apply_train=speedrun_apply_train, whitening=speedrun_whitening, whitened=("conv0", "w"),
     ),
 }
