@@ -1,8 +1,9 @@
 """Pure layer functions shared by the models: convolutions as matmuls, pooling, batch norm.
 
 XLA's CPU convolutions (and their gradients) run far below its matmul speed at these small
-shapes, so every convolution here is one matmul over shifted views (im2col); shifted slices cost
-only data movement, and their gradients are pads and slices.
+shapes, so each convolution here is one matmul over shifted views (im2col); shifted slices cost
+only data movement, and their gradients are pads and slices. On one-channel images, where that
+matmul would be only 9 wide, it is nine multiply-adds over shifted planes instead.
 """
 
 from __future__ import annotations
