@@ -192,14 +192,16 @@ def test_onnx_export_round_trips_for_the_speedrun_model(real_dataset, tmp_path, 
     code, document = call(capsys, "export", str(tmp_path / "run"), "--format", "onnx", "--out", str(tmp_path / "x"))
     check = document["artifacts"]["onnx"]
     assert code == 0 and check["examples"] == 10000 and check["differing_labels"] == check["ties"] == 0
-    summary = artifacts.read_json(tmp_path / "run" / "summary.json")
-    onnx_labels = export.onnx_callable(tmp_path / "x" / "model.onnx")(
-        real_dataset.test.images_u8.astype(np.float32) / 255).argmax(-1)
-    assert np.mean(onnx_labels == real_dataset.test.labels) == summary["test_accuracy"]  # with TTA when it used it
-    for index in PICKED[:4]:
+    # export's check ran all 10,000 test images through onnxruntime against JAX; here the file is
+    # read back from outside and must label the picked images as predict (JAX, with TTA) does
+    picked = sorted(PICKED[:4])
+    for index in picked:
         Image.fromarray(real_dataset.test.images_u8[index]).save(tmp_path / f"{index:05d}.png")
-    code, document = call(capsys, "predict", str(tmp_path / "run"), *[str(p) for p in tmp_path.glob("*.png")])
+    code, document = call(capsys, "predict", str(tmp_path / "run"), *[str(tmp_path / f"{i:05d}.png") for i in picked])
     assert code == 0 and len(document["predictions"]) == 4
+    onnx_labels = export.onnx_callable(tmp_path / "x" / "model.onnx")(
+        real_dataset.test.images_u8[picked].astype(np.float32) / 255).argmax(-1)
+    assert onnx_labels.tolist() == [prediction["label"] for prediction in document["predictions"]]
 
 
 def test_export_names_the_extra_when_a_converter_is_missing(mlp_run, tmp_path, capsys, monkeypatch):
