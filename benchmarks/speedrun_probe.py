@@ -4,10 +4,12 @@ the probe table of 2026-12-03).
 The variant replaces the model's shape constants in this process only; everything else (flags,
 run directory, summary.json) is the train command's own. Usage:
 
-    python benchmarks/speedrun_probe.py [--widths 18,64,64,128] [--pools 1011] [--hidden 512]
+    python benchmarks/speedrun_probe.py [--filters 9,64,64,128] [--pools 011] [--hidden 512]
         [--gelu] [--dropout 0.3] [--lookahead 5,0.5] -- train --model speedrun --run-dir runs/probe ...
 
---pools holds one digit per convolution: 1 max-pools (2x2) after it. The last map is flattened.
+--filters: each convolution's filter count (the first layer's are pooled with their negations, as
+the model's are). --pools holds one digit per convolution after the first (which always pools): 1
+max-pools (2x2) after it. The last map is flattened.
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ import optax
 from fashionjax import cli, models, train
 
 
-def reshape_speedrun(widths: tuple[int, ...], pools: tuple[bool, ...], hidden: int) -> None:
-    """Point the speedrun model's constants at another shape (the first convolution reads the 28x28 pixels)."""
+def reshape_speedrun(filters: tuple[int, ...], pools: tuple[bool, ...], hidden: int) -> None:
+    """Point the speedrun model's constants at another shape (the first convolution reads the 28x28
+    pixels and pools; `pools` says which of the others do)."""
     sides, side = [], 28
-    for pool in pools:
+    for pool in (True, *pools):
         sides.append(side)
         side = (side + 1) // 2 if pool else side
-    models.SPEEDRUN_WIDTHS, models.SPEEDRUN_POOLS, models.SPEEDRUN_SIDES = widths, pools, tuple(sides)
+    widths = (2 * filters[0], *filters[1:])
+    models.SPEEDRUN_FILTERS, models.SPEEDRUN_WIDTHS = filters, widths
+    models.SPEEDRUN_POOLS, models.SPEEDRUN_SIDES = pools, tuple(sides)
     models.SPEEDRUN_FAN_INS = tuple(9 * c for c in (1, *widths[:-1]))
     models.SPEEDRUN_FLAT = side * side * widths[-1]
     models.SPEEDRUN_HIDDEN = hidden
@@ -103,7 +108,7 @@ def main() -> int:
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--widths", default=",".join(map(str, models.SPEEDRUN_WIDTHS)))
+    parser.add_argument("--filters", default=",".join(map(str, models.SPEEDRUN_FILTERS)))
     parser.add_argument("--pools", default="".join("1" if p else "0" for p in models.SPEEDRUN_POOLS))
     parser.add_argument("--hidden", type=int, default=models.SPEEDRUN_HIDDEN)
     parser.add_argument("--gelu", action="store_true", help="GELU instead of ReLU after each batch norm")
@@ -111,11 +116,11 @@ def main() -> int:
                         help="Lookahead: every K steps move slow weights ALPHA of the way to the fast ones")
     parser.add_argument("--dropout", type=float, default=0.0, help="drop this fraction of the hidden units in training")
     args = parser.parse_args(argv[:split])
-    widths = tuple(int(w) for w in args.widths.split(","))
-    if len(args.pools) != len(widths) or set(args.pools) - {"0", "1"} or args.pools[0] != "1":
-        parser.error(f"--pools needs one 0 or 1 per width ({len(widths)}), the first 1 (the first layer "
-                     f"always pools), got {args.pools!r}")
-    reshape_speedrun(widths, tuple(p == "1" for p in args.pools), args.hidden)
+    filters = tuple(int(f) for f in args.filters.split(","))
+    if len(args.pools) != len(filters) - 1 or set(args.pools) - {"0", "1"}:
+        parser.error(f"--pools needs one 0 or 1 per convolution after the first ({len(filters) - 1}), "
+                     f"got {args.pools!r}")
+    reshape_speedrun(filters, tuple(p == "1" for p in args.pools), args.hidden)
     if args.dropout:
         add_hidden_dropout(args.dropout)
     if args.lookahead:
@@ -123,7 +128,7 @@ def main() -> int:
         add_lookahead(int(period), float(alpha))
     if args.gelu:
         jax.nn.relu = jax.nn.gelu  # only the speedrun network calls relu; this process only
-    print(f"speedrun variant: widths {widths}, pools {args.pools}, hidden {args.hidden}, "
+    print(f"speedrun variant: filters {filters}, pools 1{args.pools}, hidden {args.hidden}, "
           f"{'GELU' if args.gelu else 'ReLU'}, {models.REGISTRY['speedrun'].train_flops_per_example / 1e6:.1f} "
           "MFLOP of training per example", file=sys.stderr)
     return cli.main(argv[split + 1:])

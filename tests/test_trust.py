@@ -229,7 +229,7 @@ def test_a_run_of_another_model_version_is_named_as_such(finished_run, tmp_path,
         assert cli.main(command) == 1
         error = json.loads(capsys.readouterr().out)["error"]
         assert error["kind"] == "checkpoint", error
-        assert "trained by another version of the model (a parameter stored as (" in error["message"]
+        assert "trained by another version of the model (parameter [" in error["message"]
         assert "\n" not in error["message"]
     assert {path: path.read_bytes() for path in run_dir.rglob("*") if path.is_file()} == before
 

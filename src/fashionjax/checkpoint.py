@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,9 +25,6 @@ from fashionjax.config import TRAJECTORY_FIELDS, TrainConfig
 # Orbax logs every save at INFO, and its option adjustments at WARNING, through absl: keep stderr for
 # our own one-line messages.
 logging.getLogger("absl").setLevel(logging.ERROR)
-
-# How orbax refuses an array of another shape: the checkpoint is whole, but of another network.
-_OTHER_SHAPE = re.compile(r"Requested shape: (\(.*?\)) is not compatible with the stored shape: (\(.*?\))")
 
 
 class CheckpointError(RuntimeError):
@@ -45,27 +41,48 @@ def _manager(directory: Path, keep: int = 3, writer: bool = True) -> ocp.Checkpo
         enable_async_checkpointing=False,  # the next chunk donates these buffers: save must finish first
         cleanup_tmp_directories=writer,  # only the run's owner may remove a half-written save
     )
-    return ocp.CheckpointManager(directory.absolute(), options=options)
+    # Handlers named up front, so that a step's metadata (its arrays' shapes) reads before any restore
+    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(directory.absolute(), options=options, item_handlers=handlers)
 
 
 def _newest_first(manager: ocp.CheckpointManager) -> list[int]:
     return sorted(manager.all_steps(), reverse=True)
 
 
-def _restore_newest(manager, checkpoint_dir: Path, args_for: Callable[[], dict],
-                    note: Callable[[str], None]) -> tuple[int, dict, list[int]]:
-    """(step, restored items, unreadable newer steps) of the newest checkpoint that reads back whole."""
+def _param_shapes(params) -> dict[str, tuple]:
+    return {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
+
+
+def _check_same_network(manager, step: int, checkpoint_dir: Path, template_params) -> None:
+    """Refuse, in one line, a whole checkpoint of another network (a run of an earlier model version):
+    its stored parameter shapes, read from the step's metadata, differ from this version's. Unreadable
+    metadata says nothing here; the restore that follows judges that checkpoint."""
+    try:
+        stored = _param_shapes(manager.item_metadata(step)["state"]["params"])
+    except Exception:  # damaged or absent metadata: not this check's concern
+        return
+    wanted = _param_shapes(template_params)
+    if stored == wanted:
+        return
+    leaf = next(name for name in sorted(wanted.keys() | stored.keys()) if stored.get(name) != wanted.get(name))
+    raise CheckpointError(f"{checkpoint_dir}: trained by another version of the model (parameter {leaf} stored as "
+                          f"{stored.get(leaf, 'absent')}, this version's is {wanted.get(leaf, 'absent')}); "
+                          "train it again with this version, or use the fashionjax that trained it")
+
+
+def _restore_newest(manager, checkpoint_dir: Path, args_for: Callable[[], dict], note: Callable[[str], None],
+                    template_params=None) -> tuple[int, dict, list[int]]:
+    """(step, restored items, unreadable newer steps) of the newest checkpoint that reads back whole;
+    with template_params, a checkpoint of another network is refused rather than called damaged."""
     broken: list[int] = []
     errors = []
     for step in _newest_first(manager):
+        if template_params is not None:
+            _check_same_network(manager, step, checkpoint_dir, template_params)
         try:
             restored = manager.restore(step, args=ocp.args.Composite(**args_for()))
         except Exception as err:  # orbax reports damage as many types; any of them means "not this one"
-            if shapes := _OTHER_SHAPE.search(str(err)):
-                raise CheckpointError(
-                    f"{checkpoint_dir}: trained by another version of the model (a parameter stored as "
-                    f"{shapes[2]}, this version's is {shapes[1]}); train it again with this version, or "
-                    "use the fashionjax that trained it") from err
             broken.append(step)
             errors.append(f"step {step}: {_first_line(err)}")
             continue
@@ -105,7 +122,8 @@ def read_latest(checkpoint_dir: str | Path, template_state, note: Callable[[str]
         raise CheckpointError(f"{checkpoint_dir}: no finalized checkpoint")
     manager = _manager(checkpoint_dir, writer=False)
     try:
-        step, restored, _ = _restore_newest(manager, checkpoint_dir, lambda: _state_args(template_state), note)
+        step, restored, _ = _restore_newest(manager, checkpoint_dir, lambda: _state_args(template_state), note,
+                                            template_state.params)
     finally:
         manager.close()
     return step, type(template_state)(**restored["state"]), restored["meta"]
@@ -142,7 +160,7 @@ class Checkpointer:
         """(step, state, meta) of the newest intact checkpoint; unreadable newer ones are removed,
         so that the steps they held can be saved again."""
         step, restored, broken = _restore_newest(self.manager, self.directory,
-                                                 lambda: _state_args(template_state), note)
+                                                 lambda: _state_args(template_state), note, template_state.params)
         for bad in broken:
             self.manager.delete(bad)
         return step, type(template_state)(**restored["state"]), restored["meta"]

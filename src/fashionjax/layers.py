@@ -12,12 +12,17 @@ import jax
 import jax.numpy as jnp
 
 
+def taps3x3(x, height: int, width: int) -> list:
+    """The nine views x[:, i:i + height, j:j + width] (i, j = 0..2, row by row) of an array of at least
+    (height + 2, width + 2) on axes 1 and 2: what each tap of a 3x3 window reads. NumPy or JAX."""
+    return [x[:, i:i + height, j:j + width] for i in range(3) for j in range(3)]
+
+
 def conv3x3_same(x, w):
     """A 3x3 'SAME' convolution: (B, H, W, C) x (3, 3, C, K) -> (B, H, W, K), one matmul."""
     batch, height, width, channels = x.shape
     padded = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
-    patches = jnp.concatenate(
-        [padded[:, i:i + height, j:j + width, :] for i in range(3) for j in range(3)], axis=-1)  # (B, H, W, 9C)
+    patches = jnp.concatenate(taps3x3(padded, height, width), axis=-1)  # (B, H, W, 9C)
     return patches @ w.reshape(9 * channels, -1)  # HWIO flattens in the same (i, j, c) order
 
 
@@ -38,8 +43,8 @@ def conv3x3_same_planes(images, w):
     """
     height, width = images.shape[1:]
     padded = jnp.pad(images, ((0, 0), (1, 1), (1, 1)))
-    return sum(w[i, j, 0][:, None, None, None] * padded[None, :, i:i + height, j:j + width]
-               for i in range(3) for j in range(3))
+    return sum(tap[:, None, None, None] * view[None]
+               for tap, view in zip(w.reshape(9, -1), taps3x3(padded, height, width), strict=True))
 
 
 def signed_max_pool2x2_planes(planes):

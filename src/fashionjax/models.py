@@ -134,9 +134,10 @@ def _cnn_macs() -> list[int]:
 # head. The first reads the 28x28 pixels themselves with 9 filters (with --whiten: the 9 directions
 # of a 3x3 patch), and their negations are pooled too (18 channels, so ReLU keeps both signs), for
 # the cost of 9. Why each part is there: README, "Speedrun".
-SPEEDRUN_WIDTHS = (18, 64, 128)  # channels each convolution hands on (the first: 9 filters, negated too)
+SPEEDRUN_FILTERS = (9, 64, 128)  # filters each convolution computes (the first: a 3x3 patch has 9 directions)
+SPEEDRUN_WIDTHS = (2 * SPEEDRUN_FILTERS[0], *SPEEDRUN_FILTERS[1:])  # channels each hands on: the first's negated too
 SPEEDRUN_SIDES = (28, 14, 7)  # the side each convolution runs at
-SPEEDRUN_POOLS = (True, True, True)  # the first layer always pools
+SPEEDRUN_POOLS = (True, True)  # whether each convolution after the first is pooled (the first always is)
 SPEEDRUN_FAN_INS = tuple(9 * c for c in (1, *SPEEDRUN_WIDTHS[:-1]))  # 3x3 patches of the pixels, then of each width
 SPEEDRUN_FLAT = 4 * 4 * SPEEDRUN_WIDTHS[-1]  # 7x7 pooled with its odd edge kept: 4x4
 SPEEDRUN_HIDDEN = 256
@@ -147,8 +148,8 @@ PIXEL_MEAN, PIXEL_STD = 0.286, 0.353  # Fashion-MNIST's training-set pixel stati
 def speedrun_init(key) -> dict:
     keys = jax.random.split(key, len(SPEEDRUN_WIDTHS) + 2)
     params = {"stats": {}}
-    for i, (k, fan_in, width) in enumerate(zip(keys, SPEEDRUN_FAN_INS, SPEEDRUN_WIDTHS, strict=False)):
-        filters = width // 2 if i == 0 else width
+    for i, (k, fan_in, filters, width) in enumerate(
+            zip(keys, SPEEDRUN_FAN_INS, SPEEDRUN_FILTERS, SPEEDRUN_WIDTHS, strict=False)):
         params[f"conv{i}"] = {"w": _he_normal(k, (3, 3, fan_in // 9, filters), fan_in),
                               "bias": jnp.zeros((width,), jnp.float32)}
         params["stats"][f"conv{i}"] = {"mean": jnp.zeros((width,), jnp.float32), "var": jnp.ones((width,), jnp.float32)}
@@ -161,17 +162,20 @@ def speedrun_init(key) -> dict:
 
 def speedrun_forward(params: dict, images, compute_dtype=jnp.float32, train: bool = False):
     """(logits, running statistics): in training batch statistics normalize and update them."""
-    x = ((images.reshape(images.shape[0], IMAGE_SIDE, IMAGE_SIDE) - PIXEL_MEAN) / PIXEL_STD).astype(compute_dtype)
     stats = {}
-    for i, pool in enumerate(SPEEDRUN_POOLS):
-        layer = params[f"conv{i}"]
-        if i == 0:  # always pooled: (B, 28, 28) -> (B, 14, 14, 2 x filters)
-            x = layers.signed_max_pool2x2_planes(layers.conv3x3_same_planes(x, layer["w"].astype(compute_dtype)))
-        else:
-            x = layers.conv3x3_same(x, layer["w"].astype(compute_dtype))
-            x = layers.max_pool2x2(x) if pool else x
-        x, stats[f"conv{i}"] = layers.batch_norm(x, layer["bias"], params["stats"][f"conv{i}"], train, BN_MOMENTUM)
-        x = jax.nn.relu(x)
+
+    def normed(x, name):
+        x, stats[name] = layers.batch_norm(x, params[name]["bias"], params["stats"][name], train, BN_MOMENTUM)
+        return jax.nn.relu(x)
+
+    def weights(name):
+        return params[name]["w"].astype(compute_dtype)
+
+    x = ((images.reshape(images.shape[0], IMAGE_SIDE, IMAGE_SIDE) - PIXEL_MEAN) / PIXEL_STD).astype(compute_dtype)
+    x = normed(layers.signed_max_pool2x2_planes(layers.conv3x3_same_planes(x, weights("conv0"))), "conv0")  # (B, 14, 14, 18)
+    for i, pool in enumerate(SPEEDRUN_POOLS, start=1):
+        x = layers.conv3x3_same(x, weights(f"conv{i}"))
+        x = normed(layers.max_pool2x2(x) if pool else x, f"conv{i}")
     x = jax.nn.relu(_dense(x.reshape(x.shape[0], -1), params["dense"], compute_dtype))  # (B, 2048) -> (B, 256)
     return _dense(x, params["head"], compute_dtype).astype(jnp.float32), stats
 
@@ -198,8 +202,8 @@ def speedrun_whitening(images_u8) -> Callable[[dict], dict]:
     images = np.asarray(images_u8[:WHITEN_IMAGES], np.float32).reshape(-1, IMAGE_SIDE, IMAGE_SIDE) / 255.0
     x = (images - PIXEL_MEAN) / PIXEL_STD
     side = IMAGE_SIDE - 2  # whole 3x3 windows only
-    patches = np.stack([x[:, i:i + side, j:j + side] for i in range(3) for j in range(3)], axis=-1)
-    filters = whitening_filters(patches.reshape(-1, 9), SPEEDRUN_WIDTHS[0] // 2)  # (9, 9)
+    patches = np.stack(layers.taps3x3(x, side, side), axis=-1)
+    filters = whitening_filters(patches.reshape(-1, 9), SPEEDRUN_FILTERS[0])  # (9, 9)
     weights = jnp.asarray(filters.reshape(3, 3, 1, -1), jnp.float32)  # HWIO, as conv3x3_same reads it
     return lambda params: {**params, "conv0": {**params["conv0"], "w": weights}}
 
@@ -213,9 +217,8 @@ def speedrun_apply_train(params: dict, images, compute_dtype=jnp.float32):
 
 
 def _speedrun_macs() -> list[int]:
-    filters = (SPEEDRUN_WIDTHS[0] // 2, *SPEEDRUN_WIDTHS[1:])  # the first layer's negations cost no MACs
-    convs = [side * side * fan_in * width
-             for side, fan_in, width in zip(SPEEDRUN_SIDES, SPEEDRUN_FAN_INS, filters, strict=True)]
+    convs = [side * side * fan_in * filters  # the first layer's negations cost no MACs
+             for side, fan_in, filters in zip(SPEEDRUN_SIDES, SPEEDRUN_FAN_INS, SPEEDRUN_FILTERS, strict=True)]
     return [*convs, SPEEDRUN_FLAT * SPEEDRUN_HIDDEN, SPEEDRUN_HIDDEN * NUM_CLASSES]
 
 
