@@ -15,7 +15,6 @@ max-pools (2x2) after it. The last map is flattened.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import NamedTuple
 
@@ -26,47 +25,31 @@ import optax
 from fashionjax import cli, models, train
 
 
-def reshape_speedrun(filters: tuple[int, ...], pools: tuple[bool, ...], hidden: int) -> None:
-    """Point the speedrun model's constants at another shape (the first convolution reads the 28x28
-    pixels and pools; `pools` says which of the others do)."""
-    sides, side = [], 28
-    for pool in (True, *pools):
-        sides.append(side)
-        side = (side + 1) // 2 if pool else side
-    widths = (2 * filters[0], *filters[1:])
-    models.SPEEDRUN_FILTERS, models.SPEEDRUN_WIDTHS = filters, widths
-    models.SPEEDRUN_POOLS, models.SPEEDRUN_SIDES = pools, tuple(sides)
-    models.SPEEDRUN_FAN_INS = tuple(9 * c for c in (1, *widths[:-1]))
-    models.SPEEDRUN_FLAT = side * side * widths[-1]
-    models.SPEEDRUN_HIDDEN = hidden
-    models.REGISTRY["speedrun"] = dataclasses.replace(
-        models.REGISTRY["speedrun"], train_flops_per_example=models._train_flops(models._speedrun_macs()))
+class ProbeNet(models.ConvNet):
+    """The speedrun network of another shape, marking while it traces its training form (for --dropout)."""
+
+    def forward(self, params, images, compute_dtype=jnp.float32, train=False):
+        _TRAINING[0] = train
+        try:
+            return super().forward(params, images, compute_dtype, train)
+        finally:
+            _TRAINING[0] = False
 
 
-def add_hidden_dropout(rate: float) -> None:
-    """Dropout on the hidden layer's input in training, for this probe only. Its mask comes from a key
-    folded from the batch's own pixels (the probe has no key stream to draw from): different for each
-    augmented batch, and the same again on resume."""
+def add_hidden_dropout(rate: float, flat: int) -> None:
+    """Dropout on the hidden layer's input (`flat` wide) in training, for this probe only. Its mask
+    comes from a key folded from the batch's own pixels (the probe has no key stream to draw from):
+    different for each augmented batch, and the same again on resume."""
     dense = models._dense
 
     def dropped_dense(x, layer, compute_dtype):
-        if layer["w"].shape[0] == models.SPEEDRUN_FLAT and x.shape[0] > 0 and _TRAINING[0]:
+        if layer["w"].shape[0] == flat and x.shape[0] > 0 and _TRAINING[0]:
             salt = jax.lax.bitcast_convert_type(jnp.sum(x.astype(jnp.float32)), jnp.int32)
             keep = jax.random.bernoulli(jax.random.fold_in(jax.random.key(0), salt), 1 - rate, x.shape)
             x = jnp.where(keep, x / (1 - rate), 0).astype(x.dtype)
         return dense(x, layer, compute_dtype)
 
-    forward = models.speedrun_forward
-
-    def forward_marking_training(params, images, compute_dtype=jnp.float32, train=False):
-        _TRAINING[0] = train
-        try:
-            return forward(params, images, compute_dtype, train)
-        finally:
-            _TRAINING[0] = False
-
     models._dense = dropped_dense
-    models.speedrun_forward = forward_marking_training
 
 
 class LookaheadState(NamedTuple):
@@ -108,9 +91,9 @@ def main() -> int:
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--filters", default=",".join(map(str, models.SPEEDRUN_FILTERS)))
-    parser.add_argument("--pools", default="".join("1" if p else "0" for p in models.SPEEDRUN_POOLS))
-    parser.add_argument("--hidden", type=int, default=models.SPEEDRUN_HIDDEN)
+    parser.add_argument("--filters", default=",".join(map(str, models.SPEEDRUN.filters)))
+    parser.add_argument("--pools", default="".join("1" if p else "0" for p in models.SPEEDRUN.pools))
+    parser.add_argument("--hidden", type=int, default=models.SPEEDRUN.hidden)
     parser.add_argument("--gelu", action="store_true", help="GELU instead of ReLU after each batch norm")
     parser.add_argument("--lookahead", default=None, metavar="K,ALPHA",
                         help="Lookahead: every K steps move slow weights ALPHA of the way to the fast ones")
@@ -120,9 +103,10 @@ def main() -> int:
     if len(args.pools) != len(filters) - 1 or set(args.pools) - {"0", "1"}:
         parser.error(f"--pools needs one 0 or 1 per convolution after the first ({len(filters) - 1}), "
                      f"got {args.pools!r}")
-    reshape_speedrun(filters, tuple(p == "1" for p in args.pools), args.hidden)
+    net = ProbeNet(filters, tuple(p == "1" for p in args.pools), args.hidden)
+    models.REGISTRY["speedrun"] = net.model("speedrun")  # this process only
     if args.dropout:
-        add_hidden_dropout(args.dropout)
+        add_hidden_dropout(args.dropout, net.flat)
     if args.lookahead:
         period, alpha = args.lookahead.split(",")
         add_lookahead(int(period), float(alpha))
