@@ -1,8 +1,8 @@
 """Train a variant of the speedrun network through the ordinary `train` command (README, "Speedrun":
 the probe table of 2026-12-03).
 
-The variant replaces the model's shape constants in this process only; everything else (flags,
-run directory, summary.json) is the train command's own. Usage:
+The variant, a `models.ConvNet` of another shape, is registered as `speedrun` in this process only;
+everything else (flags, run directory, summary.json) is the train command's own. Usage:
 
     python benchmarks/speedrun_probe.py [--filters 9,64,64,128] [--pools 011] [--hidden 512]
         [--gelu] [--dropout 0.3] [--lookahead 5,0.5] -- train --model speedrun --run-dir runs/probe ...
