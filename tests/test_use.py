@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import types
 
 import jax
 import numpy as np
@@ -245,7 +246,12 @@ def assert_events_mirror_the_run(run_dir) -> None:
         assert scalars[tag] == [(summary["steps"], float(np.float32(summary[key])))], tag
 
 
-def test_tensorboard_scalars_equal_metrics_jsonl_also_after_a_resume(synthetic_cli, tmp_path):
+def test_tensorboard_scalars_equal_metrics_jsonl_also_after_a_resume(synthetic_cli, tmp_path, monkeypatch):
+    from tensorboardX import event_file_writer
+
+    # tensorboardX names an event file by the second it opens: every writer here opens in one second,
+    # as the training's and the final one do on a short run, and none may overwrite another
+    monkeypatch.setattr(event_file_writer, "time", types.SimpleNamespace(time=lambda: 1_764_720_000.25))
     run_dir = tmp_path / "run"
     train_run(run_dir, "--steps", "30", "--log-every", "10", "--batch-size", "64", "--schedule", "constant", "--tensorboard")
     assert_events_mirror_the_run(run_dir)

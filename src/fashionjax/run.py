@@ -124,7 +124,7 @@ def finish(config: TrainConfig, result: train_lib.FitResult, dataset: data.Datas
         write_eval_artifacts(run_dir, scored, dataset)
         plots.curve(artifacts.read_jsonl(run_dir.path / "metrics.jsonl"), run_dir.file("curve.png"))
         if config.tensorboard:
-            events = tensorboard.Events(run_dir.file(tensorboard.DIRECTORY))
+            events = tensorboard.Events(run_dir.file(tensorboard.DIRECTORY), "test")
             events.finish(config, summary)
             events.close()
         artifacts.atomic_write_json(run_dir.file("summary.json"), summary)  # last: the run is complete

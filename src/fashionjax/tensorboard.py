@@ -27,18 +27,21 @@ def require() -> None:
 class Events:
     """The event writer of one run directory (process 0 only)."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, part: str):
+        """`part` names the file: tensorboardX names it by the second it opened (and the host), so the
+        training's writer and the final one, opened within a second of each other on a short run,
+        would write one file and the second would truncate the first."""
         from tensorboardX import SummaryWriter
 
         folder.mkdir(parents=True, exist_ok=True)
-        self.writer = SummaryWriter(str(folder), flush_secs=10)
+        self.writer = SummaryWriter(str(folder), flush_secs=10, filename_suffix=f".{part}")
 
     @classmethod
     def restart(cls, folder: Path, records: list[dict]) -> Events:
         """A writer for a training that starts or resumes: the events so far are exactly `records`."""
         for old in folder.glob(EVENT_PREFIX + "*"):  # ours: written again below from metrics.jsonl
             old.unlink()
-        events = cls(folder)
+        events = cls(folder, "train")
         for record in records:
             events.log(record)
         return events
