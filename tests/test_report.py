@@ -126,3 +126,12 @@ def test_speedrun_page_in_a_real_browser(tmp_path, synthetic_cli, capsys):
     assert failures == []
     assert len(images) == 1 and images[0][0] and images[0][1] > 0
     assert seed_rows == 2 and "mean test accuracy" in headline and "over 2 seeds (0, 1)" in headline
+
+
+def test_percentages_are_cut_never_rounded_up():
+    from fashionjax.figures import percent
+
+    assert percent(0.94256) == "94.25%"  # a mean over seeds: cut, not 94.26
+    assert percent(0.9437) == "94.37%"  # an exact count (9,437 of 10,000) keeps its last digit
+    assert percent(0.3100) == "31.00%" and percent(0.31049, 1) == "31.0%" and percent(1.0) == "100.00%"
+    assert percent(0.0) == "0.00%" and percent(0.99999) == "99.99%"

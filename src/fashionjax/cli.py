@@ -17,6 +17,7 @@ from pathlib import Path
 
 from fashionjax import __version__
 from fashionjax.config import MODELS, ConfigError, TrainConfig
+from fashionjax.figures import percent
 from fashionjax.signals import Interrupted, StopRequests
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -377,12 +378,12 @@ def cmd_eval(args, out) -> int:
     dataset = _load_data(args, out)
     scored = run_lib.rescore(run_dir, dataset, distributed.make_mesh("all"), out.note)
     report = scored["report"]
-    members = [(f"  seed {m['seed']}", f"{100 * m['test_accuracy']:.2f}%" if m["finite"] else "diverged")
+    members = [(f"  seed {m['seed']}", percent(m["test_accuracy"]) if m["finite"] else "diverged")
                for m in report.get("members", [])]
     accuracy = "ensemble test accuracy" if members else "test accuracy"
     out.show(console.table(f"evaluation of {run_dir}", ["", ""], [
-        (accuracy, f"{100 * report['accuracy']:.2f}% ({report['correct']:,} of {report['examples']:,})"), *members,
-        *([("without flip TTA", f"{100 * report['accuracy_no_tta']:.2f}%")] if report["tta"] else []),
+        (accuracy, f"{percent(report['accuracy'])} ({report['correct']:,} of {report['examples']:,})"), *members,
+        *([("without flip TTA", percent(report["accuracy_no_tta"]))] if report["tta"] else []),
         ("test loss", f"{report['loss']:.4f}"), ("checkpoint step", report["step"]),
         ("params digest", report["params_digest"][:16])]))
     out.document(report)

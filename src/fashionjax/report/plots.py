@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first)
 import numpy as np  # noqa: E402
 
-from fashionjax import artifacts  # noqa: E402
+from fashionjax import artifacts, figures  # noqa: E402
 
 RIGHT, WRONG, NEUTRAL = "#1a7f37", "#d1242f", "#1f2328"
 LOSS_COLOR, ACCURACY_COLOR = "#0969da", "#1a7f37"
@@ -143,7 +143,7 @@ def strip(values: Sequence[float], names: Sequence, target: float | None, title:
     ax.scatter(percent, jitter, color=ACCURACY_COLOR, zorder=3)
     for x, y, name in zip(percent, jitter, names, strict=True):
         ax.annotate(str(name), (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
-    ax.axvline(percent.mean(), color=LOSS_COLOR, label=f"mean {percent.mean():.2f}%")
+    ax.axvline(percent.mean(), color=LOSS_COLOR, label=f"mean {figures.percent(percent.mean() / 100)}")
     if target is not None:
         ax.axvline(100 * target, color=WRONG, linestyle="--", label=f"{target_name} {100 * target:.2f}%")
     ax.set_yticks([])

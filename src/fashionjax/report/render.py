@@ -8,6 +8,7 @@ from pathlib import Path
 import jinja2
 
 from fashionjax import artifacts
+from fashionjax.figures import percent
 
 # Published reference points (Fashion-MNIST benchmark, zalandoresearch/fashion-mnist README and
 # its benchmark page), and the codelab's own short run.
@@ -112,7 +113,7 @@ def _environment():
 
 
 def _pct(value) -> str:
-    return "n/a" if value is None else f"{100 * value:.2f}%"
+    return "n/a" if value is None else percent(value)
 
 
 def _num(value, digits: int = 0) -> str:
