@@ -17,6 +17,8 @@ FLAG_SETS = (
     "--xla_cpu_use_onednn=true",
     "--xla_cpu_experimental_onednn_fusion_type=dot",
     "--xla_cpu_experimental_xnn_fusion_type=dot",
+    "--xla_cpu_experimental_ynn_fusion_type=dot",
+    "--xla_cpu_use_xnnpack=true",
 )
 
 PROBE = """

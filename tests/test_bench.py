@@ -32,6 +32,19 @@ def test_unknown_gpu_gets_no_mfu():
     assert bench.peaks("gpu", "Mystery Accelerator", ("float32",))["flops_per_sec"] == {}
 
 
+@pytest.mark.parametrize("env,why", [
+    ({"backend": "cpu", "cpu_amx": True}, "XLA:CPU does not use them"),
+    ({"backend": "cpu", "cpu_amx": False}, "without native bfloat16 matrix units"),
+    ({"backend": "gpu"}, "launch overhead"),
+])
+def test_a_slower_bfloat16_gets_the_reason_of_its_machine(env, why):
+    cases = [{"mode": "fused", "dtype": dtype, "batch_size": 128, "examples_per_sec": {"median": rate}}
+             for dtype, rate in (("float32", 960.0), ("bfloat16", 817.0), ("float32", 1.0))]
+    cases[2]["batch_size"] = 512  # a batch with no bfloat16 case says nothing
+    slower = [note for note in bench.notes(cases, env) if note.startswith("bfloat16")]
+    assert slower == [slower[0]] and "fused at batch 128 (817 vs 960 examples/sec)" in slower[0] and why in slower[0]
+
+
 @pytest.mark.slow
 def test_bench_cli_tiny_run_writes_the_schema(tmp_path, synthetic_cli, monkeypatch, capsys):
     monkeypatch.setattr(bench, "measure_cpu_peak", lambda dtype: 1e11)  # the probe is timed elsewhere

@@ -338,12 +338,20 @@ def notes(cases: list[dict], env: dict) -> list[str]:
     for (mode, dtype, batch), value in rate.items():
         f32 = rate.get((mode, "float32", batch))
         if dtype == "bfloat16" and f32 and value < f32:
-            reason = ("CPUs without native bfloat16 matrix units convert to float32 and back around each "
-                      "matmul, so bfloat16 costs extra work there" if env["backend"] == "cpu" else
-                      "a model this small is bound by launch overhead and memory traffic, not matmul speed")
+            reason = _slow_bfloat16_reason(env)
             out.append(f"bfloat16 was slower than float32 for {mode} at batch {batch} "
                        f"({value:,.0f} vs {f32:,.0f} examples/sec): {reason}.")
     return out
+
+
+def _slow_bfloat16_reason(env: dict) -> str:
+    if env["backend"] != "cpu":
+        return "a model this small is bound by launch overhead and memory traffic, not matmul speed"
+    if env.get("cpu_amx"):  # measured on an AMX Xeon: XLA's bf16 matmul stays below its float32 (README)
+        return ("this CPU has AMX bfloat16 tiles, but XLA:CPU does not use them, so bfloat16 is "
+                "converted to float32 and back around each matmul")
+    return ("CPUs without native bfloat16 matrix units convert to float32 and back around each "
+            "matmul, so bfloat16 costs extra work there")
 
 
 def case_label(case: dict) -> str:
