@@ -54,15 +54,15 @@ def _param_shapes(params) -> dict[str, tuple]:
     return {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
 
 
-def _check_same_network(manager, step: int, checkpoint_dir: Path, template_params) -> None:
+def _check_same_network(manager, step: int, checkpoint_dir: Path, wanted: dict[str, tuple]) -> None:
     """Refuse, in one line, a whole checkpoint of another network (a run of an earlier model version):
-    its stored parameter shapes, read from the step's metadata, differ from this version's. Unreadable
+    its stored parameter shapes, read from the step's metadata, differ from this version's (wanted,
+    as `_param_shapes` gives them). Unreadable
     metadata says nothing here; the restore that follows judges that checkpoint."""
     try:
         stored = _param_shapes(manager.item_metadata(step)["state"]["params"])
     except Exception:  # damaged or absent metadata: not this check's concern
         return
-    wanted = _param_shapes(template_params)
     if stored == wanted:
         return
     leaf = next(name for name in sorted(wanted.keys() | stored.keys()) if stored.get(name) != wanted.get(name))
@@ -77,9 +77,10 @@ def _restore_newest(manager, checkpoint_dir: Path, args_for: Callable[[], dict],
     with template_params, a checkpoint of another network is refused rather than called damaged."""
     broken: list[int] = []
     errors = []
+    wanted = None if template_params is None else _param_shapes(template_params)
     for step in _newest_first(manager):
-        if template_params is not None:
-            _check_same_network(manager, step, checkpoint_dir, template_params)
+        if wanted is not None:
+            _check_same_network(manager, step, checkpoint_dir, wanted)
         try:
             restored = manager.restore(step, args=ocp.args.Composite(**args_for()))
         except Exception as err:  # orbax reports damage as many types; any of them means "not this one"

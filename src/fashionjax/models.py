@@ -6,6 +6,7 @@ float32 logits (the codelab's mixed-precision scheme). Images arrive as float32 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -165,7 +166,7 @@ class ConvNet:
         """Channels each convolution hands on (the first's filters and their negations)."""
         return (2 * self.filters[0], *self.filters[1:])
 
-    @property
+    @functools.cached_property  # a frozen dataclass still takes it: the cache bypasses __setattr__
     def sides(self) -> tuple[int, ...]:
         """The side each convolution reads, then the side of the flattened map (odd sides keep their edge)."""
         sides = [IMAGE_SIDE]
