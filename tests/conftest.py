@@ -6,12 +6,13 @@ import gzip
 import hashlib
 import os
 import struct
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from fashionjax import data
+from fashionjax import data, models
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -83,6 +84,24 @@ def synthetic_cli(monkeypatch):
     dataset = synthetic_dataset(num_train=1024, num_test=500)
     monkeypatch.setattr(data, "load", lambda *a, **k: dataset)
     return dataset
+
+
+# The speedrun network with every layer it has, at a quarter of its widths: for tests that drive it
+# through the trainer (batch norm, whitening, its planar first layer, members, devices), where the
+# full widths only add compile and evaluation time. The registry's own entry keeps its own tests.
+SMALL_SPEEDRUN = models.ConvNet(filters=(9, 16, 16, 32), pools=(False, True, True), hidden=64)
+
+
+@pytest.fixture
+def small_speedrun(monkeypatch):
+    """SMALL_SPEEDRUN registered as `speedrun` in this process."""
+    monkeypatch.setitem(models.REGISTRY, "speedrun", SMALL_SPEEDRUN.model("speedrun"))
+
+
+def small_speedrun_cli() -> list[str]:
+    """The command line of `fashionjax` (arguments follow) with SMALL_SPEEDRUN registered as `speedrun`."""
+    return [sys.executable, "-c", "import sys; from fashionjax import cli, models; "
+            f"models.REGISTRY['speedrun'] = models.{SMALL_SPEEDRUN!r}.model('speedrun'); sys.exit(cli.main())"]
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import small_speedrun_cli
 
 from fashionjax import artifacts
 
@@ -28,8 +29,9 @@ def devices_env(count: int) -> dict:
     return env
 
 
-def train_process(run_dir: Path, devices: int, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fashionjax", "train", *RUN, "--run-dir", str(run_dir), *extra],
+def train_process(run_dir: Path, devices: int, *extra: str, command=(sys.executable, "-m", "fashionjax")
+                  ) -> subprocess.Popen:
+    return subprocess.Popen([*command, "train", *RUN, "--run-dir", str(run_dir), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=devices_env(devices))
 
 
@@ -159,11 +161,11 @@ def test_unreachable_coordinator_is_one_line_naming_it_in_bounded_time(tmp_path)
 
 
 def test_batch_norm_over_four_devices_matches_one(real_dataset, tmp_path):
-    """The speedrun model's batch statistics are the global batch's, however the batch is split:
+    """The speedrun network's batch statistics are the global batch's, however the batch is split:
     the first four steps' losses agree to float tolerance (statistics of each 32-image shard would
     move them by far more; later steps drift apart as any high-rate run does)."""
     flags = ("--model", "speedrun", "--batch-size", "128", "--steps", "4", "--log-every", "1", "--no-tta")
-    one, four = (train_process(tmp_path / f"run{n}", n, *flags) for n in (1, 4))
+    one, four = (train_process(tmp_path / f"run{n}", n, *flags, command=small_speedrun_cli()) for n in (1, 4))
     one_summary, four_summary = completed(one), completed(four)
     assert_close(losses(tmp_path / "run4"), losses(tmp_path / "run1"), rel=1e-5)
     assert four_summary["test_accuracy"] == pytest.approx(one_summary["test_accuracy"], abs=5e-4)

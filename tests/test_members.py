@@ -32,7 +32,7 @@ RECIPES = {
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_each_member_matches_the_single_run_of_its_seed(recipe, synthetic_cli, tmp_path, capsys):
+def test_each_member_matches_the_single_run_of_its_seed(recipe, synthetic_cli, small_speedrun, tmp_path, capsys):
     flags = RECIPES[recipe]
     together = run_json(capsys, *flags, "--seed", "7", "--seeds", "3", "--run-dir", str(tmp_path / "together"))
     records = artifacts.read_jsonl(tmp_path / "together" / "metrics.jsonl")

@@ -1,4 +1,5 @@
-"""The speedrun model's techniques by hand, its determinism and resume, and the speedrun command."""
+"""The speedrun model's techniques by hand, its determinism and resume, and the speedrun command.
+Tests that only drive the network through the trainer train conftest's SMALL_SPEEDRUN in its place."""
 
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def test_speedrun_training_is_deterministic_and_learns(small_dataset):
         train.params_digest(first.state.params)
 
 
-def test_speedrun_resume_is_bit_identical(tmp_path, synthetic_cli, capsys):
+def test_speedrun_resume_is_bit_identical(tmp_path, synthetic_cli, capsys, small_speedrun):
     # the recipe (which whitens) with a moving average of the weights: both live in the state resume restores
     flags = ["--model", "speedrun", "--batch-size", "64", "--log-every", "4", "--schedule", "constant", "--quiet",
              "--json", "--ema", "0.9"]
@@ -136,7 +137,7 @@ def test_aggregate_by_hand():
     assert speedrun.aggregate(rows, 0.94)["median_seconds_to_target"] is None  # two of three never arrived
 
 
-def test_speedrun_command_writes_the_record_and_keeps_finished_seeds(tmp_path, synthetic_cli, capsys):
+def test_speedrun_command_writes_the_record_and_keeps_finished_seeds(tmp_path, synthetic_cli, capsys, small_speedrun):
     out_dir = tmp_path / "record"
     args = ["speedrun", "--seeds", "2", "--seed", "3", "--steps", "4", "--batch-size", "64", "--target", "0.5",
             "--out", str(out_dir), "--json"]
@@ -155,7 +156,7 @@ def test_speedrun_command_writes_the_record_and_keeps_finished_seeds(tmp_path, s
     assert [row["params_digest"] for row in json.loads(captured.out)["per_seed"]] == digests
 
 
-def test_speedrun_refuses_a_folder_finished_with_other_settings(tmp_path, synthetic_cli, capsys):
+def test_speedrun_refuses_a_folder_finished_with_other_settings(tmp_path, synthetic_cli, capsys, small_speedrun):
     base = ["speedrun", "--seeds", "1", "--steps", "4", "--batch-size", "64", "--out", str(tmp_path), "--json"]
     assert cli.main(base) == 0
     capsys.readouterr()
@@ -178,7 +179,7 @@ def test_alternating_flips_mirror_each_image_in_every_other_epoch():
     np.testing.assert_array_equal(mirrored[1], images[1])
 
 
-def test_tta_without_flipped_training_is_pointed_out(tmp_path, synthetic_cli, capsys):
+def test_tta_without_flipped_training_is_pointed_out(tmp_path, synthetic_cli, capsys, small_speedrun):
     assert cli.main(["train", "--model", "speedrun", "--no-augment", "--steps", "2", "--batch-size", "64",
                      "--run-dir", str(tmp_path / "run")]) == 0
     assert "--tta without --augment" in capsys.readouterr().err
@@ -251,7 +252,7 @@ def test_weight_ema_by_hand():
         config.validate(dataclasses.replace(config.TrainConfig(), ema=1.0))
 
 
-def test_a_run_with_ema_is_scored_with_the_average_and_the_current_statistics(small_dataset):
+def test_a_run_with_ema_is_scored_with_the_average_and_the_current_statistics(small_dataset, small_speedrun):
     averaged = dataclasses.replace(TINY, ema=0.5)
     result = train.fit(averaged, small_dataset.train.images_u8, small_dataset.train.labels)
     scored = train.evaluated_params(averaged, result.state)
