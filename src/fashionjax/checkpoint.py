@@ -56,9 +56,9 @@ def _param_shapes(params) -> dict[str, tuple]:
 
 def _check_same_network(manager, step: int, checkpoint_dir: Path, wanted: dict[str, tuple]) -> None:
     """Refuse, in one line, a whole checkpoint of another network (a run of an earlier model version):
-    its stored parameter shapes, read from the step's metadata, differ from this version's (wanted,
-    as `_param_shapes` gives them). Unreadable
-    metadata says nothing here; the restore that follows judges that checkpoint."""
+    its stored parameter shapes, read from the step's metadata, differ from this version's (`wanted`,
+    as `_param_shapes` gives them). Unreadable metadata says nothing here; the restore that follows
+    judges that checkpoint."""
     try:
         stored = _param_shapes(manager.item_metadata(step)["state"]["params"])
     except Exception:  # damaged or absent metadata: not this check's concern
