@@ -135,3 +135,9 @@ def test_percentages_are_cut_never_rounded_up():
     assert percent(0.9437) == "94.37%"  # an exact count (9,437 of 10,000) keeps its last digit
     assert percent(0.3100) == "31.00%" and percent(0.31049, 1) == "31.0%" and percent(1.0) == "100.00%"
     assert percent(0.0) == "0.00%" and percent(0.99999) == "99.99%"
+
+
+def test_speeds_are_cut_to_whole_numbers_never_rounded_up():
+    from fashionjax.figures import rate
+
+    assert rate(959.99) == "959" and rate(1008.064) == "1,008" and rate(170402.0) == "170,402" and rate(0.4) == "0"

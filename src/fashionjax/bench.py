@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fashionjax import augment, distributed, environment, models, train
+from fashionjax import augment, distributed, environment, figures, models, train
 from fashionjax import config as config_lib
 from fashionjax import plan as plan_lib
 from fashionjax.config import DTYPES, ConfigError, TrainConfig
@@ -340,7 +340,7 @@ def notes(cases: list[dict], env: dict) -> list[str]:
         if dtype == "bfloat16" and f32 and value < f32:
             reason = _slow_bfloat16_reason(env)
             out.append(f"bfloat16 was slower than float32 for {mode} at batch {batch} "
-                       f"({value:,.0f} vs {f32:,.0f} examples/sec): {reason}.")
+                       f"({figures.rate(value)} vs {figures.rate(f32)} examples/sec): {reason}.")
     return out
 
 

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from fashionjax import artifacts
+from fashionjax import artifacts, figures
 from fashionjax.figures import percent
 
 
@@ -157,7 +157,7 @@ def show_summary(out: Output, summary: dict, run_dir: Path) -> None:
             f" (flip TTA; {percent(summary['test_accuracy_no_tta'])} without)" if summary["tta"] else "")),
         ("test loss", f"{summary['test_loss']:.4f}"),
         ("final train loss", f"{summary['final_train_loss']:.4f}"),
-        ("examples/sec (steady)", "n/a (one chunk)" if rate is None else f"{rate:,.0f}"),
+        ("examples/sec (steady)", "n/a (one chunk)" if rate is None else figures.rate(rate)),
         ("compile seconds", f"{summary['compile_seconds']:.2f}"),
         ("train seconds", f"{summary['train_seconds']:.2f}"),
         ("wall seconds", f"{summary['wall_seconds']:.2f}"),
@@ -218,7 +218,7 @@ class Progress:
 
     def update(self, record: dict) -> None:
         text = (f"epoch {record['epoch']:.2f} loss {record['loss']:.4f} accuracy {100 * record['accuracy']:.1f}% "
-                f"{record['examples_per_sec']:,.0f} examples/sec")
+                f"{figures.rate(record['examples_per_sec'])} examples/sec")
         if self.bar:
             self.bar.update(self.task, completed=record["step"], description=text)
         elif self.lines:
@@ -242,10 +242,10 @@ def show_bench(out: Output, document: dict) -> None:
         rate = c["examples_per_sec"]
         bar = "█" * max(1, round(30 * rate["median"] / best))
         mfu = "n/a" if c["mfu"] is None else percent(c["mfu"], 1)
-        rows.append((c["mode"], c["dtype"], c["batch_size"], f"{rate['median']:,.0f}",
-                     f"{rate['min']:,.0f}-{rate['max']:,.0f}", f"{c['compile_seconds']:.2f}",
+        rows.append((c["mode"], c["dtype"], c["batch_size"], figures.rate(rate['median']),
+                     f"{figures.rate(rate['min'])}-{figures.rate(rate['max'])}", f"{c['compile_seconds']:.2f}",
                      f"{c['final_loss']:.4f}", f"{100 * c['final_accuracy']:.1f}%", mfu,
-                     f"{c['tokens_per_sec']:,.0f}", bar))
+                     figures.rate(c['tokens_per_sec']), bar))
     out.show(table(f"{document['model']} training throughput (peak: {document['peak']['source']})",
                     ["mode", "dtype", "batch", "ex/s median", "min-max", "compile s", "loss", "batch acc",
                      "MFU", "tokens/s (proj.)", ""], rows))
@@ -253,14 +253,15 @@ def show_bench(out: Output, document: dict) -> None:
                     [(p["object"], ", ".join(p["devices"])) for p in document["placement"]]))
     if document["scaling"]:
         s = document["scaling"]
-        out.show(f"scaling: {s['examples_per_sec_1']:,.0f} ex/s on 1 device, {s['examples_per_sec_n']:,.0f} on "
-                 f"{s['devices']} ({s['per_device_n']:,.0f} per device, efficiency {percent(s['efficiency'], 1)})")
+        out.show(f"scaling: {figures.rate(s['examples_per_sec_1'])} ex/s on 1 device, "
+                 f"{figures.rate(s['examples_per_sec_n'])} on "
+                 f"{s['devices']} ({figures.rate(s['per_device_n'])} per device, efficiency {percent(s['efficiency'], 1)})")
     if document.get("models_at_once"):
         out.show(table("models at once (fused float32, one program; 'separate' = the 1-model rate, which N runs "
                        "one after another share)", ["models", "model-ex/s median", "min-max", "vs separate",
                                                     "compile s", "loss"],
-                       [(row["members"], f"{row['model_examples_per_sec']['median']:,.0f}",
-                         f"{row['model_examples_per_sec']['min']:,.0f}-{row['model_examples_per_sec']['max']:,.0f}",
+                       [(row["members"], figures.rate(row['model_examples_per_sec']['median']),
+                         f"{figures.rate(row['model_examples_per_sec']['min'])}-{figures.rate(row['model_examples_per_sec']['max'])}",
                          "n/a" if row["speedup_over_separate"] is None else f"{row['speedup_over_separate']:.2f}x",
                          f"{row['compile_seconds']:.2f}", f"{row['final_loss']:.4f}")
                         for row in document["models_at_once"]]))

@@ -11,3 +11,8 @@ def percent(fraction: float, digits: int = 2) -> str:
     9436.999... in binary floating point)."""
     scale = 10 ** (digits + 2)
     return f"{math.floor(fraction * scale + 1e-6) / 10 ** digits:.{digits}f}%"
+
+
+def rate(value: float) -> str:
+    """A speed (examples or tokens a second) as a whole number cut, not rounded: 959.99 -> '959'."""
+    return f"{math.floor(value + 1e-9):,}"
