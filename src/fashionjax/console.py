@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from fashionjax import artifacts, figures
-from fashionjax.figures import percent
 
 
 def reopen_closed_std_fds() -> None:
@@ -153,8 +152,8 @@ def show_summary(out: Output, summary: dict, run_dir: Path) -> None:
     rows = [
         ("model", f"{summary['model']} ({summary['params']:,} params)"),
         ("steps / epochs", f"{summary['steps']} / {summary['epochs']}"),
-        ("test accuracy", f"{percent(summary['test_accuracy'])} of {summary['test_examples']:,}" + (
-            f" (flip TTA; {percent(summary['test_accuracy_no_tta'])} without)" if summary["tta"] else "")),
+        ("test accuracy", f"{figures.percent(summary['test_accuracy'])} of {summary['test_examples']:,}" + (
+            f" (flip TTA; {figures.percent(summary['test_accuracy_no_tta'])} without)" if summary["tta"] else "")),
         ("test loss", f"{summary['test_loss']:.4f}"),
         ("final train loss", f"{summary['final_train_loss']:.4f}"),
         ("examples/sec (steady)", "n/a (one chunk)" if rate is None else figures.rate(rate)),
@@ -179,18 +178,18 @@ def member_rows(summary: dict) -> list[tuple[str, str]]:
     seeds = [row["seed"] for row in summary["per_seed"]]
     spread = f" ± {100 * std:.2f}" if std is not None else ""
     over = f"over {len(seeds)} members" if summary.get("sweep") else f"seeds {seeds[0]}-{seeds[-1]}"
-    rows = [("test accuracy", f"{percent(summary['test_accuracy'])}{spread} (mean ± std, {over}"
+    rows = [("test accuracy", f"{figures.percent(summary['test_accuracy'])}{spread} (mean ± std, {over}"
                               + (", flip TTA)" if summary["tta"] else ")"))]
     if summary.get("sweep"):  # best first, each member named by its values
         names = [name for name in summary["sweep"][0] if name not in ("seed", "test_accuracy", "test_examples",
                                                                        "diverged")]
         ranked = sorted(summary["sweep"], key=lambda row: (row["diverged"], -row["test_accuracy"]))
         rows += [("  " + " ".join(f"{name}={row[name]:g}" for name in names) + f" seed {row['seed']}",
-                  "diverged" if row["diverged"] else percent(row["test_accuracy"])) for row in ranked]
+                  "diverged" if row["diverged"] else figures.percent(row["test_accuracy"])) for row in ranked]
     else:
         rows += [(f"  seed {row['seed']}", "diverged" if row["seed"] in summary["diverged_seeds"] else
-                  percent(row["test_accuracy"])) for row in summary["per_seed"]]
-    rows.append((f"ensemble of {summary['ensemble_members']}", f"{percent(summary['ensemble_test_accuracy'])} "
+                  figures.percent(row["test_accuracy"])) for row in summary["per_seed"]]
+    rows.append((f"ensemble of {summary['ensemble_members']}", f"{figures.percent(summary['ensemble_test_accuracy'])} "
                                                                 "(mean of the members' probabilities)"))
     return rows
 
@@ -241,7 +240,7 @@ def show_bench(out: Output, document: dict) -> None:
     for c in cases:
         rate = c["examples_per_sec"]
         bar = "█" * max(1, round(30 * rate["median"] / best))
-        mfu = "n/a" if c["mfu"] is None else percent(c["mfu"], 1)
+        mfu = "n/a" if c["mfu"] is None else figures.percent(c["mfu"], 1)
         rows.append((c["mode"], c["dtype"], c["batch_size"], figures.rate(rate['median']),
                      f"{figures.rate(rate['min'])}-{figures.rate(rate['max'])}", f"{c['compile_seconds']:.2f}",
                      f"{c['final_loss']:.4f}", f"{100 * c['final_accuracy']:.1f}%", mfu,
@@ -255,7 +254,7 @@ def show_bench(out: Output, document: dict) -> None:
         s = document["scaling"]
         out.show(f"scaling: {figures.rate(s['examples_per_sec_1'])} ex/s on 1 device, "
                  f"{figures.rate(s['examples_per_sec_n'])} on "
-                 f"{s['devices']} ({figures.rate(s['per_device_n'])} per device, efficiency {percent(s['efficiency'], 1)})")
+                 f"{s['devices']} ({figures.rate(s['per_device_n'])} per device, efficiency {figures.percent(s['efficiency'], 1)})")
     if document.get("models_at_once"):
         out.show(table("models at once (fused float32, one program; 'separate' = the 1-model rate, which N runs "
                        "one after another share)", ["models", "model-ex/s median", "min-max", "vs separate",
@@ -271,17 +270,17 @@ def show_bench(out: Output, document: dict) -> None:
 
 def show_speedrun(out: Output, document: dict) -> None:
     tta = document["tta"]
-    rows = [(row["seed"], percent(row["test_accuracy"]),
-             *([percent(row["test_accuracy_no_tta"])] if tta else []),
+    rows = [(row["seed"], figures.percent(row["test_accuracy"]),
+             *([figures.percent(row["test_accuracy_no_tta"])] if tta else []),
              f"{row['train_seconds']:.1f}", f"{row['compile_seconds']:.1f}", "yes" if row["reached_target"] else "no")
             for row in document["per_seed"]]
     columns = ["seed", "test accuracy", *(["without TTA"] if tta else []), "train s", "compile s", "reached"]
     out.show(table(f"speedrun: {document['model']}", columns, rows))
     median = document["median_seconds_to_target"]
-    target = percent(document["target"])
-    out.show(f"mean {percent(document['test_accuracy_mean'])} ± {100 * document['test_accuracy_std']:.2f} over "
+    target = figures.percent(document["target"])
+    out.show(f"mean {figures.percent(document['test_accuracy_mean'])} ± {100 * document['test_accuracy_std']:.2f} over "
              f"seeds {', '.join(map(str, document['seeds']))}" + (
-                 f" (flip TTA; {percent(document['test_accuracy_no_tta_mean'])} ± "
+                 f" (flip TTA; {figures.percent(document['test_accuracy_no_tta_mean'])} ± "
                  f"{100 * document['test_accuracy_no_tta_std']:.2f} without)" if tta else ""))
     out.show(f"{100 * document['reached_fraction']:.0f}% of seeds reached {target}; median training time to it: "
              + ("not reached by half the seeds" if median is None else f"{median:.1f} s")

@@ -5,14 +5,18 @@ from __future__ import annotations
 import math
 
 
+def _cut(value: float, digits: int) -> float:
+    """`value` cut (not rounded) to `digits` decimals. The tiny allowance keeps a value that binary
+    floating point holds just under its decimal from losing a digit: an exact count such as 9,437 of
+    10,000 is 94.36999... percent."""
+    return math.floor(value * 10**digits + 1e-6) / 10**digits
+
+
 def percent(fraction: float, digits: int = 2) -> str:
-    """A fraction as a percentage cut (not rounded) to `digits` decimals: 0.94256 -> '94.25%'. The tiny
-    allowance keeps an exact count such as 9,437 of 10,000 from reading as 94.36% (0.9437 * 1e4 is
-    9436.999... in binary floating point)."""
-    scale = 10 ** (digits + 2)
-    return f"{math.floor(fraction * scale + 1e-6) / 10 ** digits:.{digits}f}%"
+    """A fraction as a percentage cut to `digits` decimals: 0.94256 -> '94.25%'."""
+    return f"{_cut(100 * fraction, digits):.{digits}f}%"
 
 
 def rate(value: float) -> str:
-    """A speed (examples or tokens a second) as a whole number cut, not rounded: 959.99 -> '959'."""
-    return f"{math.floor(value + 1e-9):,}"
+    """A speed (examples or tokens a second) as a whole number cut: 959.99 -> '959'."""
+    return f"{int(_cut(value, 0)):,}"

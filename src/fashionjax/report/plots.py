@@ -143,9 +143,9 @@ def strip(values: Sequence[float], names: Sequence, target: float | None, title:
     ax.scatter(percent, jitter, color=ACCURACY_COLOR, zorder=3)
     for x, y, name in zip(percent, jitter, names, strict=True):
         ax.annotate(str(name), (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
-    ax.axvline(percent.mean(), color=LOSS_COLOR, label=f"mean {figures.percent(percent.mean() / 100)}")
+    ax.axvline(percent.mean(), color=LOSS_COLOR, label=f"mean {figures.percent(float(np.mean(values)))}")
     if target is not None:
-        ax.axvline(100 * target, color=WRONG, linestyle="--", label=f"{target_name} {100 * target:.2f}%")
+        ax.axvline(100 * target, color=WRONG, linestyle="--", label=f"{target_name} {figures.percent(target)}")
     ax.set_yticks([])
     ax.set_ylim(-0.5, 0.5)
     ax.set_xlabel("test accuracy (%)")
