@@ -240,6 +240,23 @@ def test_whitened_first_layer_whitens_its_patches_and_stays_frozen(small_dataset
         config.validate(dataclasses.replace(config.TrainConfig(), whiten=True))
 
 
+def test_a_frozen_layer_costs_no_backward_work_and_changes_no_update(small_dataset):
+    whitened = dataclasses.replace(TINY, whiten=True)
+    model, frozen = models.get("speedrun"), train.frozen_paths(whitened)
+    assert frozen == (("conv0", "w"),) and train.frozen_paths(TINY) == ()
+    optimizer = train.make_optimizer(whitened, 8)
+    state = train.initial_state(whitened, 8, small_dataset.train.images_u8)
+    batch = small_dataset.train.images_u8[:64].reshape(64, -1), small_dataset.train.labels[:64]
+    full, cut = (jax.jit(train.make_train_step(model, optimizer, jnp.float32, 0.1, paths)) for paths in ((), frozen))
+    flops = [step.lower(state, *batch).compile().cost_analysis()["flops"] for step in (full, cut)]
+    assert flops[1] < flops[0]  # the gradient of the frozen filters (and all the work behind it) is gone
+    (after_full, metrics_full), (after_cut, metrics_cut) = full(state, *batch), cut(state, *batch)
+    for got, want in zip(jax.tree_util.tree_leaves(after_cut.params), jax.tree_util.tree_leaves(after_full.params),
+                         strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert float(metrics_cut["grad_norm"]) < float(metrics_full["grad_norm"])  # the frozen leaf adds nothing now
+
+
 def test_weight_ema_by_hand():
     ema = train.params_ema(0.9)
     state = ema.init({"a": jnp.array(1.0)})

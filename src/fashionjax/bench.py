@@ -133,7 +133,8 @@ class Workload:
         model = models.get(self.config.model)
         optimizer = train.make_optimizer(self.config, 10**6)
         state = train.initial_state(self.config, 10**6)  # config.seeds > 1: that many models, stacked
-        step = train.make_train_step(model, optimizer, train.compute_dtype(self.config.dtype), self.config.label_smoothing)
+        step = train.make_train_step(model, optimizer, train.compute_dtype(self.config.dtype), self.config.label_smoothing,
+                                     train.frozen_paths(self.config))
         return distributed.replicate_tree(state, self.mesh), step
 
     def plan(self, log_every: int) -> plan_lib.Plan:
