@@ -81,4 +81,8 @@ def test_speedrun_flops_by_hand():
     macs = [28 * 28 * 9 * 1 * 9, 14 * 14 * 9 * 18 * 64, 14 * 14 * 9 * 64 * 64, 7 * 7 * 9 * 64 * 128,
             2048 * 256, 256 * 10]
     expected = 2 * sum(macs) * 2 + 2 * sum(macs[1:])
-    assert models.get("speedrun").train_flops_per_example == expected == 80_635_968
+    model = models.get("speedrun")
+    assert model.train_flops_per_example == expected == 80_635_968
+    # Its whitened first layer, frozen, takes no weight gradient (and never an input gradient)
+    assert model.run_flops_per_example(whiten=True) == expected - 2 * macs[0]
+    assert model.run_flops_per_example(whiten=False) == expected

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -21,6 +22,17 @@ def test_chunk_traces_once_over_many_steps(small_dataset, monkeypatch):
     result = train.fit(dataclasses.replace(TINY, steps=40), small_dataset.train.images_u8, small_dataset.train.labels)
     assert result.plan.total_steps == 40
     assert len(traces) == 1  # ten chunks of four steps, one trace
+
+
+def test_compiled_training_flushes_denormals_to_zero(small_dataset, monkeypatch):
+    tiny = jnp.float32(1e-20)  # squared: 1e-40, a float32 denormal, which a CPU computes through slow assists
+    square = jax.jit(lambda x: x * x).lower(tiny)
+    assert float(square.compile()(tiny)) == pytest.approx(1e-40, rel=1e-3)
+    assert float(square.compile(train.compiler_options())(tiny)) == 0.0
+    asked = []
+    monkeypatch.setattr(train, "compiler_options", lambda: asked.append(1) or {"xla_cpu_ftz": True})
+    train.fit(TINY, small_dataset.train.images_u8, small_dataset.train.labels)
+    assert asked  # the trainer's chunks are compiled with them
 
 
 def test_same_seed_same_digest_and_other_seed_differs(small_dataset):

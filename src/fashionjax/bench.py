@@ -194,7 +194,7 @@ def per_step_runner(work: Workload, steps: int, jit: bool):
     compile_seconds = 0.0
     if jit:
         tic = time.perf_counter()
-        step_fn = jax.jit(step_fn, donate_argnums=0).lower(state, images[0], labels[0]).compile()
+        step_fn = jax.jit(step_fn, donate_argnums=0).lower(state, images[0], labels[0]).compile(train.compiler_options())
         compile_seconds = time.perf_counter() - tic
     holder = {"state": state, "i": 0}
 
@@ -281,16 +281,17 @@ def run(config: BenchConfig, train_images_u8: np.ndarray, train_labels: np.ndarr
                 cases.append(measure(work(dtype, batch), mode, steps, config.repeats))
 
     peak = peaks(env["backend"], env["device_kind"], config.dtypes)
+    flops_per_example = model.run_flops_per_example(base.whiten)
     for case in cases:
         rate = case["examples_per_sec"]["median"]
-        case["achieved_flops_per_sec"] = model.train_flops_per_example * rate
-        case["mfu"] = mfu(model.train_flops_per_example, rate, peak["flops_per_sec"].get(case["dtype"]))
+        case["achieved_flops_per_sec"] = flops_per_example * rate
+        case["mfu"] = mfu(flops_per_example, rate, peak["flops_per_sec"].get(case["dtype"]))
         case["tokens_per_sec"] = rate * model.tokens_per_example
         case["examples_per_sec_per_device"] = rate / case["devices"]
 
     return {
         "model": config.model, "config": dataclasses.asdict(config), "environment": env,
-        "flops_per_example": model.train_flops_per_example,
+        "flops_per_example": flops_per_example,
         "tokens_per_example": model.tokens_per_example, "tokens_assumption": models.TOKENS_ASSUMPTION,
         "peak": peak, "cases": cases, "placement": placement(work(config.dtypes[0], config.compare_batch)),
         "scaling": scaling(config, work, log) if mesh.devices.size > 1 else None,

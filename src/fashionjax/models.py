@@ -42,6 +42,11 @@ class Model:
     # uint8) -> (params -> params with that layer set); `whitened` names its leaf, which training freezes.
     whitening: Callable | None = None
     whitened: tuple[str, ...] = ()
+    whitened_grad_flops: int = 0  # per example: the whitened layer's weight gradient, never taken while frozen
+
+    def run_flops_per_example(self, whiten: bool) -> int:
+        """Training FLOPs per example of a run: with --whiten its frozen layer's weight gradient is not computed."""
+        return self.train_flops_per_example - (self.whitened_grad_flops if whiten else 0)
 
 
 def _he_normal(key, shape, fan_in):
@@ -241,7 +246,8 @@ class ConvNet:
                      description=f"3x3 convs ({'-'.join(map(str, self.widths))}) at sides "
                                  f"{'-'.join(map(str, self.sides[:-1]))}, each batch-normed, "
                                  f"dense({self.hidden})-10, ReLU",
-                     apply_train=self.apply_train, whitening=self.whitening, whitened=("conv0", "w"))
+                     apply_train=self.apply_train, whitening=self.whitening, whitened=("conv0", "w"),
+                     whitened_grad_flops=2 * self.macs()[0])
 
 
 # The record attempt: 9 filters at 28x28 (a 3x3 patch has 9 directions), two of 64 at 14x14 (the

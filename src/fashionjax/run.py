@@ -50,7 +50,7 @@ def write_config(run_dir: RunDir, config: TrainConfig, plan: Plan, dataset: data
         "dataset": data.summarize(dataset),
         "model": {"name": model.name, "description": model.description,
                   "params": models.count_params(params), "leaves": models.param_table(params),
-                  "train_flops_per_example": model.train_flops_per_example},
+                  "train_flops_per_example": model.run_flops_per_example(config.whiten)},
     }
     artifacts.atomic_write_json(run_dir.file("config.json"), document)
 

@@ -110,7 +110,8 @@ def write(out_dir: Path, rows: list[dict], target: float, last_summary: dict) ->
         "config": {name: value for name, value in config.items() if name != "seed"},
         "per_seed": rows,
         **aggregate(rows, target),
-        "train_flops_per_run": model.train_flops_per_example * last_summary["steps"] * last_summary["batch_size"],
+        "train_flops_per_run": (model.run_flops_per_example(config["whiten"]) * last_summary["steps"]
+                                * last_summary["batch_size"]),
         "tta": last_summary["tta"],
         "cpu_model": environment.cpu_model(),
         "environment": environment.describe(),
