@@ -33,6 +33,11 @@ def test_compiled_training_flushes_denormals_to_zero(small_dataset, monkeypatch)
     monkeypatch.setattr(train, "compiler_options", lambda: asked.append(1) or {"xla_cpu_ftz": True})
     train.fit(TINY, small_dataset.train.images_u8, small_dataset.train.labels)
     assert asked  # the trainer's chunks are compiled with them
+    # An XLA that no longer knows the option refuses it by name: training compiles without it
+    monkeypatch.setattr(train, "compiler_options", lambda: {"xla_cpu_no_such_option": True})
+    with pytest.raises(jax.errors.JaxRuntimeError, match="No such compile option"):
+        square.compile(train.compiler_options())
+    assert float(train.compile_training(square)(tiny)) == pytest.approx(1e-40, rel=1e-3)
 
 
 def test_same_seed_same_digest_and_other_seed_differs(small_dataset):
