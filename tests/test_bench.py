@@ -7,6 +7,7 @@ import json
 import pytest
 
 from fashionjax import bench, cli
+from fashionjax import config as config_lib
 
 
 def test_spread_and_mfu_by_hand():
@@ -43,6 +44,20 @@ def test_a_slower_bfloat16_gets_the_reason_of_its_machine(env, why):
     cases[2]["batch_size"] = 512  # a batch with no bfloat16 case says nothing
     slower = [note for note in bench.notes(cases, env) if note.startswith("bfloat16")]
     assert slower == [slower[0]] and "fused at batch 128 (817 vs 960 examples/sec)" in slower[0] and why in slower[0]
+
+
+def test_models_at_once_compares_with_one_model_and_is_skipped_alone(monkeypatch):
+    def fake_measure(work, mode, steps, repeats):  # N models in one program: 900 model-examples/sec per model
+        rate = 900.0 * work.config.seeds if work.config.seeds > 1 else 1000.0
+        return {"examples_per_sec": {"median": rate}, "compile_seconds": 1.0, "final_loss": 0.5,
+                "final_accuracy": 0.8}
+
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    work = lambda dtype, batch: bench.Workload(config_lib.default("mlp"), None, None, None)  # noqa: E731
+    rows = bench.models_at_once(bench.BenchConfig(members=(4, 1)), work, lambda line: None, "cpu")
+    assert [row["members"] for row in rows] == [1, 4]
+    assert [row["speedup_over_separate"] for row in rows] == [1.0, pytest.approx(3.6)]
+    assert bench.models_at_once(bench.BenchConfig(members=(1,)), work, lambda line: None, "cpu") == []
 
 
 @pytest.mark.slow

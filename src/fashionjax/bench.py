@@ -314,8 +314,11 @@ def scaling(config: BenchConfig, work: Callable, log) -> dict:
 
 def models_at_once(config: BenchConfig, work: Callable, log, backend: str) -> list[dict]:
     """Fused float32 at the comparison batch with N models in one program (vmapped members), against
-    N separate runs one after another (which together go at one run's model-examples/sec)."""
+    N separate runs one after another (which together go at one run's model-examples/sec). Empty when
+    only one model is asked for: the fused case above already measured it, and there is nothing to compare."""
     counts = sorted(set(config.members) | ({16, 32, 64} if backend == "gpu" else set()))
+    if counts == [1]:
+        return []
     rows = []
     for count in counts:
         log(f"models at once: {count}")
