@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,3 +88,20 @@ def test_speedrun_flops_by_hand():
     # Its whitened first layer, frozen, takes no weight gradient (and never an input gradient)
     assert model.run_flops_per_example(whiten=True) == expected - 2 * macs[0]
     assert model.run_flops_per_example(whiten=False) == expected
+
+
+def test_deep_flops_by_hand():
+    # the speedrun model's first layer, then three convolutions at 14x14 (18 -> 64, 64 -> 64,
+    # 64 -> 64, pooled after the third) and one at 7x7 (64 -> 128), then 4x4x128 = 2048 -> 256 -> 10
+    macs = [28 * 28 * 9 * 1 * 9, 14 * 14 * 9 * 18 * 64, 14 * 14 * 9 * 64 * 64, 14 * 14 * 9 * 64 * 64,
+            7 * 7 * 9 * 64 * 128, 2048 * 256, 256 * 10]
+    expected = 2 * sum(macs) * 2 + 2 * sum(macs[1:])
+    model = models.get("deep")
+    assert model.train_flops_per_example == expected == 123_988_032
+    assert model.run_flops_per_example(whiten=True) == expected - 2 * macs[0]
+
+
+def test_the_deep_recipe_is_the_speedrun_recipe_longer_and_shifted():
+    deep, speedrun = config.default("deep"), config.default("speedrun")
+    assert (deep.model, deep.epochs, deep.max_shift) == ("deep", 14, 1)
+    assert dataclasses.replace(deep, model="speedrun", epochs=speedrun.epochs, max_shift=speedrun.max_shift) == speedrun

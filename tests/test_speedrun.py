@@ -237,7 +237,7 @@ def test_whitened_first_layer_whitens_its_patches_and_stays_frozen(small_dataset
     np.testing.assert_array_equal(np.asarray(after.params["conv0"]["w"]), np.asarray(params["conv0"]["w"]))
     for name in ("conv1", "dense", "head"):
         assert not np.array_equal(np.asarray(after.params[name]["w"]), np.asarray(state.params[name]["w"]))
-    with pytest.raises(config.ConfigError, match="--whiten fits the speedrun model's first layer"):
+    with pytest.raises(config.ConfigError, match="--whiten fits the first layer of the speedrun and deep models; it does not apply to --model mlp"):
         config.validate(dataclasses.replace(config.TrainConfig(), whiten=True))
 
 
