@@ -52,6 +52,7 @@ def test_model_contract(name):
 
 def test_registry_matches_config_choices():
     assert tuple(models.REGISTRY) == config.MODELS
+    assert tuple(name for name, model in models.REGISTRY.items() if model.whitening) == config.WHITENABLE
 
 
 def test_mlp_is_the_codelab_model():

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 MODELS = ("mlp", "cnn", "speedrun", "deep")  # kept in step with models.REGISTRY by a test
-WHITENABLE = ("speedrun", "deep")  # models whose first layer --whiten can fit (models.ConvNet)
+WHITENABLE = ("speedrun", "deep")  # models whose first layer --whiten can fit; kept in step with models by a test
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULES = ("constant", "cosine")
 DTYPES = ("float32", "bfloat16")
@@ -48,8 +48,8 @@ class TrainConfig:
                                   "instead of at random", False)
     cutout: int = _flag("--augment also blacks out a square of this side, centred at a random pixel of each "
                         "training image (0: off)", 0)
-    whiten: bool = _flag("speedrun and deep only: fix the first convolution to whiten the 3x3-pixel patches it reads, "
-                         "fitted to the training images (not trained)", False)
+    whiten: bool = _flag(f"{' and '.join(WHITENABLE)} only: fix the first convolution to whiten the 3x3-pixel "
+                         "patches it reads, fitted to the training images (not trained)", False)
     ema: float = _flag("evaluate a moving average of the weights, updated after each step with this decay "
                        "(0: off)", 0.0)
     label_smoothing: float = _flag("move this much of each target's probability to uniform", 0.0)
