@@ -100,6 +100,51 @@ def test_flip_tta_averages_the_image_and_its_mirror(small_dataset):
     assert scored["report"]["accuracy_no_tta"] == pytest.approx(np.mean(plain == small_dataset.test.labels[:50]))
 
 
+def test_shifted_views_by_hand():
+    image = jnp.arange(1.0, 10.0).reshape(1, 3, 3)  # 1 2 3 / 4 5 6 / 7 8 9
+    views = np.asarray(evaluate.shifted_views(image, 1))[:, 0]
+    assert views.shape == (8, 3, 3)  # every shift by up to a pixel each way but none
+    np.testing.assert_array_equal(views[0], [[0, 0, 0], [0, 1, 2], [0, 4, 5]])  # moved down and right
+    np.testing.assert_array_equal(views[3], [[0, 1, 2], [0, 4, 5], [0, 7, 8]])  # moved right
+    np.testing.assert_array_equal(views[4], [[2, 3, 0], [5, 6, 0], [8, 9, 0]])  # moved left
+    np.testing.assert_array_equal(views[7], [[5, 6, 0], [8, 9, 0], [0, 0, 0]])  # moved up and left
+    assert len(evaluate.shifted_views(image, 2)) == 24
+
+
+def test_shift_tta_weighs_the_shifted_views_as_much_as_the_pair():
+    # A "model" whose logits are its pixels: one bright centre pixel, unmoved by the mirror, and each
+    # of the 16 shifted views (8 of the image, 8 of its mirror) lights one of the 8 other pixels.
+    pixels = type("Pixels", (), {"apply": staticmethod(lambda params, x, dtype: x.reshape(len(x), -1))})
+    image = jnp.zeros((1, 3, 3)).at[0, 1, 1].set(1.0)
+    pair, plain = evaluate.scored_logits(pixels, None, image, jnp.float32, tta=True)
+    scored, _ = evaluate.scored_logits(pixels, None, image, jnp.float32, tta=True, tta_shift=1)
+    np.testing.assert_array_equal(np.asarray(pair), np.asarray(plain))
+    expected = np.full(9, (2 / 16) / 2)  # each other pixel: lit in 2 of 16 views, then half the weight
+    expected[4] = 1 / 2  # the centre: the pair's 1, half the weight
+    np.testing.assert_allclose(np.asarray(scored[0]), expected, rtol=1e-6)
+
+
+def test_shift_tta_scores_a_real_model_from_its_eighteen_views(small_dataset):
+    model = models.get("speedrun")
+    params = model.init(jax.random.key(1))
+    images, labels = small_dataset.test.images_u8[:40], small_dataset.test.labels[:40]
+    scored = evaluate.run(params, "speedrun", images, labels, batch_size=40, tta=True, tta_shift=1)
+    scaled = np.asarray(images, np.float32).reshape(-1, 28, 28) / 255
+    padded = [np.pad(x, ((0, 0), (1, 1), (1, 1))) for x in (scaled, scaled[:, :, ::-1])]
+    shifted = [model.apply(params, jnp.asarray(p[:, dy:dy + 28, dx:dx + 28])) for p in padded
+               for dy in range(3) for dx in range(3) if (dy, dx) != (1, 1)]
+    pair = (model.apply(params, jnp.asarray(scaled)) + model.apply(params, jnp.asarray(scaled[:, :, ::-1]))) / 2
+    logits = (pair + sum(shifted) / 16) / 2
+    np.testing.assert_array_equal(scored["predictions"], np.asarray(jnp.argmax(logits, -1)))
+    assert scored["report"]["tta_shift"] == 1
+    classify = evaluate.classifier("speedrun", params, tta=True, tta_shift=1)  # what predict and export use
+    np.testing.assert_allclose(np.asarray(classify(jnp.asarray(scaled))), np.asarray(logits), rtol=1e-4, atol=1e-5)
+    with pytest.raises(config.ConfigError, match="--tta-shift shifts the views of --tta: add --tta"):
+        config.validate(dataclasses.replace(config.TrainConfig(), tta_shift=1))
+    with pytest.raises(config.ConfigError, match="--tta-shift must be between 0 and 4 pixels, got 5"):
+        config.validate(dataclasses.replace(config.TrainConfig(), tta=True, tta_shift=5))
+
+
 def test_speedrun_training_is_deterministic_and_learns(small_dataset):
     run = lambda cfg: train.fit(cfg, small_dataset.train.images_u8, small_dataset.train.labels)  # noqa: E731
     first, second = run(TINY), run(TINY)
@@ -155,6 +200,21 @@ def test_speedrun_command_writes_the_record_and_keeps_finished_seeds(tmp_path, s
     captured = capsys.readouterr()
     assert captured.err.count("finished earlier") == 2
     assert [row["params_digest"] for row in json.loads(captured.out)["per_seed"]] == digests
+
+
+def test_shift_tta_is_named_beside_every_figure_it_scored(tmp_path, synthetic_cli, capsys, small_speedrun):
+    flags = ["--steps", "4", "--batch-size", "64", "--tta-shift", "1"]
+    assert cli.main(["train", "--model", "speedrun", *flags, "--run-dir", str(tmp_path / "run")]) == 0
+    assert "(flip and 1-pixel shift TTA;" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["tta"] is True and summary["tta_shift"] == 1
+    assert cli.main(["eval", str(tmp_path / "run"), "--json"]) == 0  # re-scored the same way
+    report = json.loads(capsys.readouterr().out)
+    assert (report["tta_shift"], report["accuracy"]) == (1, summary["test_accuracy"])
+    assert cli.main(["speedrun", "--seeds", "1", *flags, "--out", str(tmp_path / "record")]) == 0
+    assert "(flip and 1-pixel shift TTA;" in capsys.readouterr().out
+    assert json.loads((tmp_path / "record" / "speedrun.json").read_text())["tta_shift"] == 1
+    assert "with flip and 1-pixel shift TTA;" in (tmp_path / "record" / "speedrun.html").read_text()
 
 
 def test_speedrun_refuses_a_folder_finished_with_other_settings(tmp_path, synthetic_cli, capsys, small_speedrun):

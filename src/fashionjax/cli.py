@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fashionjax import __version__
 from fashionjax.config import MODELS, ConfigError, TrainConfig
-from fashionjax.figures import percent
+from fashionjax.figures import percent, tta_name
 from fashionjax.signals import Interrupted, StopRequests
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
@@ -303,7 +303,8 @@ def cmd_predict(args, out) -> int:
     paths = predict.image_paths(args.paths)
     trained = run_lib.load_trained(run_dir, out.note)
     config = trained.config
-    classify = evaluate.classifier(config.model, trained.params, config.dtype, config.tta, config_lib.member_count(config))
+    classify = evaluate.classifier(config.model, trained.params, config.dtype, config.tta, config_lib.member_count(config),
+                                   config.tta_shift)
     predictions, failures = predict.predict(classify, paths)
     rows = [item.to_dict(CLASS_NAMES, args.top_k) for item in predictions]
     for failure in failures:
@@ -383,7 +384,7 @@ def cmd_eval(args, out) -> int:
     accuracy = "ensemble test accuracy" if members else "test accuracy"
     out.show(console.table(f"evaluation of {run_dir}", ["", ""], [
         (accuracy, f"{percent(report['accuracy'])} ({report['correct']:,} of {report['examples']:,})"), *members,
-        *([("without flip TTA", percent(report["accuracy_no_tta"]))] if report["tta"] else []),
+        *([(f"without {tta_name(report)}", percent(report["accuracy_no_tta"]))] if report["tta"] else []),
         ("test loss", f"{report['loss']:.4f}"), ("checkpoint step", report["step"]),
         ("params digest", report["params_digest"][:16])]))
     out.document(report)

@@ -55,6 +55,9 @@ class TrainConfig:
     label_smoothing: float = _flag("move this much of each target's probability to uniform", 0.0)
     tta: bool = _flag("test-time augmentation: score each test image and its mirror image (the summary "
                       "gives accuracy with and without)", False)
+    tta_shift: int = _flag("with --tta, also score each test image and its mirror shifted by up to this many pixels "
+                           "each way (zero-filled, as in training); the shifted views together weigh as much as the "
+                           "pair unshifted (0: the mirror only)", 0)
     tensorboard: bool = _flag("also write TensorBoard event files into RUN_DIR/tensorboard (needs the tb extra)",
                               False)
     seed: int = _flag(f"root of all randomness, 0..{MAX_SEED}", 0)
@@ -96,6 +99,8 @@ def validate(config: TrainConfig) -> TrainConfig:
              f"--model {config.model}")
     _require(math.isfinite(config.ema) and 0 <= config.ema < 1, f"--ema must be in [0, 1), got {config.ema}")
     _require(0 <= config.max_shift <= 4, f"--max-shift must be between 0 and 4 pixels, got {config.max_shift}")
+    _require(0 <= config.tta_shift <= 4, f"--tta-shift must be between 0 and 4 pixels, got {config.tta_shift}")
+    _require(not config.tta_shift or config.tta, "--tta-shift shifts the views of --tta: add --tta")
     _require(config.clip_norm is None or (math.isfinite(config.clip_norm) and config.clip_norm > 0),
              f"clip norm must be a positive number, got {config.clip_norm}")
     _require(0 <= config.seed <= MAX_SEED, f"--seed must be between 0 and {MAX_SEED}, got {config.seed}")

@@ -153,7 +153,8 @@ def show_summary(out: Output, summary: dict, run_dir: Path) -> None:
         ("model", f"{summary['model']} ({summary['params']:,} params)"),
         ("steps / epochs", f"{summary['steps']} / {summary['epochs']}"),
         ("test accuracy", f"{figures.percent(summary['test_accuracy'])} of {summary['test_examples']:,}" + (
-            f" (flip TTA; {figures.percent(summary['test_accuracy_no_tta'])} without)" if summary["tta"] else "")),
+            f" ({figures.tta_name(summary)}; {figures.percent(summary['test_accuracy_no_tta'])} without)"
+            if summary["tta"] else "")),
         ("test loss", f"{summary['test_loss']:.4f}"),
         ("final train loss", f"{summary['final_train_loss']:.4f}"),
         ("examples/sec (steady)", "n/a (one chunk)" if rate is None else figures.rate(rate)),
@@ -179,7 +180,7 @@ def member_rows(summary: dict) -> list[tuple[str, str]]:
     spread = f" ± {100 * std:.2f}" if std is not None else ""
     over = f"over {len(seeds)} members" if summary.get("sweep") else f"seeds {seeds[0]}-{seeds[-1]}"
     rows = [("test accuracy", f"{figures.percent(summary['test_accuracy'])}{spread} (mean ± std, {over}"
-                              + (", flip TTA)" if summary["tta"] else ")"))]
+                              + (f", {figures.tta_name(summary)})" if summary["tta"] else ")"))]
     if summary.get("sweep"):  # best first, each member named by its values
         names = [name for name in summary["sweep"][0] if name not in ("seed", "test_accuracy", "test_examples",
                                                                        "diverged")]
@@ -280,7 +281,7 @@ def show_speedrun(out: Output, document: dict) -> None:
     target = figures.percent(document["target"])
     out.show(f"mean {figures.percent(document['test_accuracy_mean'])} ± {100 * document['test_accuracy_std']:.2f} over "
              f"seeds {', '.join(map(str, document['seeds']))}" + (
-                 f" (flip TTA; {figures.percent(document['test_accuracy_no_tta_mean'])} ± "
+                 f" ({figures.tta_name(document)}; {figures.percent(document['test_accuracy_no_tta_mean'])} ± "
                  f"{100 * document['test_accuracy_no_tta_std']:.2f} without)" if tta else ""))
     out.show(f"{100 * document['reached_fraction']:.0f}% of seeds reached {target}; median training time to it: "
              + ("not reached by half the seeds" if median is None else f"{median:.1f} s")

@@ -57,6 +57,7 @@ def metadata(config: TrainConfig, params, class_names) -> dict[str, str]:
     return {"fashionjax_version": fashionjax.__version__, "model": config.model,
             "config": json.dumps(dataclasses.asdict(config), sort_keys=True), "class_names": json.dumps(list(class_names)),
             "params_digest": train.params_digest(params), "tta": json.dumps(config.tta),
+            "tta_shift": json.dumps(config.tta_shift),
             "input": "images float32 [batch, 28, 28]", "output": "logits float32 [batch, 10]",
             "preprocessing": PREPROCESSING}
 
@@ -66,12 +67,14 @@ def export(trained, wanted: tuple[str, ...], out_dir: Path, test_images_u8: np.n
     """Write the wanted artifacts into out_dir and verify them; returns export.json's document."""
     require(wanted)
     config, params = trained.config, trained.params
-    classify = evaluate.classifier(config.model, params, config.dtype, config.tta, config_lib.member_count(config))
+    classify = evaluate.classifier(config.model, params, config.dtype, config.tta, config_lib.member_count(config),
+                                   config.tta_shift)
     meta = metadata(config, params, class_names)
     images = test_images_u8.reshape(-1, SIDE, SIDE).astype(np.float32) / np.float32(255.0)
     reference = evaluate.in_fixed_batches(jax.jit(classify), images, VERIFY_BATCH)
     document = {"run_dir": str(trained.run_dir), "checkpoint_step": trained.step, "model": config.model,
-                "params_digest": meta["params_digest"], "tta": config.tta, "artifacts": {}}
+                "params_digest": meta["params_digest"], "tta": config.tta, "tta_shift": config.tta_shift,
+                "artifacts": {}}
     for fmt in wanted:
         path = out_dir / FILES[fmt]
         note(f"writing {path}")

@@ -17,6 +17,13 @@ def percent(fraction: float, digits: int = 2) -> str:
     return f"{_cut(100 * fraction, digits):.{digits}f}%"
 
 
+def tta_name(document: dict) -> str:
+    """The test-time augmentation a summary's (or speedrun.json's) headline figure was scored with,
+    when its "tta" is on; documents written before shifted views existed have no "tta_shift"."""
+    shift = document.get("tta_shift", 0)
+    return f"flip and {shift}-pixel shift TTA" if shift else "flip TTA"
+
+
 def rate(value: float) -> str:
     """A speed (examples or tokens a second) as a whole number cut: 959.99 -> '959'."""
     return f"{int(_cut(value, 0)):,}"

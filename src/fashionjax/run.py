@@ -137,9 +137,10 @@ def score(config: TrainConfig, params, dataset: data.Dataset, mesh) -> dict:
     members = config_lib.member_configs(config)
     if len(members) == 1:
         return evaluate.run(params, config.model, test.images_u8, test.labels, config.dtype,
-                            config.eval_batch_size, mesh, config.tta)
+                            config.eval_batch_size, mesh, config.tta, config.tta_shift)
     scored = evaluate.run_members(distributed.fetch(params), config.model, test.images_u8, test.labels,
-                                  [member.seed for member in members], config.dtype, config.eval_batch_size, config.tta)
+                                  [member.seed for member in members], config.dtype, config.eval_batch_size, config.tta,
+                                  config.tta_shift)
     for row, member, member_params in zip(scored["report"]["members"], members,
                                           train_lib.unstack(params, len(members)), strict=True):
         row["params_digest"] = train_lib.params_digest(member_params)
@@ -193,6 +194,7 @@ def make_summary(config: TrainConfig, result: train_lib.FitResult, scored_params
         "test_accuracy": report["accuracy"],  # with test-time augmentation when config.tta
         "test_accuracy_no_tta": report.get("accuracy_no_tta", report["accuracy"]),
         "tta": config.tta,
+        "tta_shift": config.tta_shift,
         "test_loss": report["loss"],
         "test_examples": report["examples"],
         "train_examples_per_sec": stats.steady_examples_per_sec(),

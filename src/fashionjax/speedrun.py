@@ -113,6 +113,7 @@ def write(out_dir: Path, rows: list[dict], target: float, last_summary: dict) ->
         "train_flops_per_run": (model.run_flops_per_example(config["whiten"]) * last_summary["steps"]
                                 * last_summary["batch_size"]),
         "tta": last_summary["tta"],
+        "tta_shift": last_summary.get("tta_shift", 0),
         "cpu_model": environment.cpu_model(),
         "environment": environment.describe(),
         "charts": ["speedrun.png"],

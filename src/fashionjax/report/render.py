@@ -8,7 +8,7 @@ from pathlib import Path
 import jinja2
 
 from fashionjax import artifacts
-from fashionjax.figures import percent
+from fashionjax.figures import percent, tta_name
 
 # Published reference points (Fashion-MNIST benchmark, zalandoresearch/fashion-mnist README and
 # its benchmark page), and the codelab's own short run.
@@ -145,6 +145,7 @@ def render_speedrun(out_dir: str | Path) -> Path:
     out_dir = Path(out_dir)
     document = artifacts.read_json(out_dir / "speedrun.json")
     html = _template("speedrun.html.j2").render(**document, settings=settings(document["config"]),
+                                                 tta_name=tta_name(document),
                                                  chart=_data_uri(out_dir / "speedrun.png"))
     target = out_dir / "speedrun.html"
     artifacts.atomic_write_text(target, html)
