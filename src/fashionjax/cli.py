@@ -291,7 +291,6 @@ def _run_dir(text: str) -> Path:
 
 
 def cmd_predict(args, out) -> int:
-    from fashionjax import config as config_lib
     from fashionjax import console, evaluate, predict
     from fashionjax import run as run_lib
     from fashionjax.data import CLASS_NAMES
@@ -303,8 +302,7 @@ def cmd_predict(args, out) -> int:
     paths = predict.image_paths(args.paths)
     trained = run_lib.load_trained(run_dir, out.note)
     config = trained.config
-    classify = evaluate.classifier(config.model, trained.params, config.dtype, config.tta, config_lib.member_count(config),
-                                   config.tta_shift)
+    classify = evaluate.run_classifier(config, trained.params)
     predictions, failures = predict.predict(classify, paths)
     rows = [item.to_dict(CLASS_NAMES, args.top_k) for item in predictions]
     for failure in failures:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fashionjax import config as config_lib
 from fashionjax import distributed, models
 from fashionjax.train import compute_dtype, scale_images
 
@@ -60,6 +61,12 @@ def classifier(model_name: str, params, dtype: str = "float32", tta: bool = Fals
     if members == 1:
         return lambda images: one(params, images)
     return lambda images: jnp.log(jnp.nanmean(jax.nn.softmax(jax.vmap(one, (0, None))(params, images)), axis=0))
+
+
+def run_classifier(config: config_lib.TrainConfig, params):
+    """classifier() as a run's config scores it: its model, dtype, TTA and members."""
+    return classifier(config.model, params, config.dtype, config.tta, config_lib.member_count(config),
+                      config.tta_shift)
 
 
 def make_predict(model: models.Model, dtype, mesh, tta: bool = False, tta_shift: int = 0):

@@ -20,7 +20,6 @@ import numpy as np
 
 import fashionjax
 from fashionjax import artifacts, environment, evaluate, train
-from fashionjax import config as config_lib
 from fashionjax.config import ConfigError, TrainConfig
 from fashionjax.predict import SIDE
 
@@ -67,8 +66,7 @@ def export(trained, wanted: tuple[str, ...], out_dir: Path, test_images_u8: np.n
     """Write the wanted artifacts into out_dir and verify them; returns export.json's document."""
     require(wanted)
     config, params = trained.config, trained.params
-    classify = evaluate.classifier(config.model, params, config.dtype, config.tta, config_lib.member_count(config),
-                                   config.tta_shift)
+    classify = evaluate.run_classifier(config, params)
     meta = metadata(config, params, class_names)
     images = test_images_u8.reshape(-1, SIDE, SIDE).astype(np.float32) / np.float32(255.0)
     reference = evaluate.in_fixed_batches(jax.jit(classify), images, VERIFY_BATCH)
