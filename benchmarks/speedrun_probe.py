@@ -1,4 +1,4 @@
-"""Train a variant of the speedrun network through the ordinary `train` command (README, "Speedrun":
+"""Train a variant of the speedrun network through the ordinary `train` command (docs/speedrun.md:
 the probe table of 2026-12-03).
 
 The variant, a `models.ConvNet` of another shape, is registered as `speedrun` in this process only;

@@ -154,7 +154,7 @@ def default(model: str = "mlp") -> TrainConfig:
     if model == "cnn":
         return dataclasses.replace(TrainConfig(), model="cnn", epochs=15, batch_size=256, lr=2e-3,
                                    weight_decay=5e-4, augment=True)
-    if model == "speedrun":  # the record attempt; measurements behind each choice: README, "Speedrun"
+    if model == "speedrun":  # the record attempt; measurements behind each choice: docs/speedrun.md
         return dataclasses.replace(TrainConfig(), model="speedrun", epochs=8, batch_size=16, lr=2e-3,
                                    weight_decay=5e-4, augment=True, max_shift=0, whiten=True, label_smoothing=0.1,
                                    tta=True, log_every=100)

@@ -21,7 +21,7 @@ def scored_logits(model: models.Model, params, images, dtype, tta: bool, tta_shi
 
     With tta the first is the mean of the image's logits and its mirror image's; with tta_shift as
     well, half that and half the mean over both of every shift by up to tta_shift pixels each way
-    (measured on models trained with shifts: README, "Toward 95%").
+    (measured on models trained with shifts: docs/speedrun.md, "Toward 95%").
     """
     plain = model.apply(params, images, dtype)  # (B, 10) float32
     if not tta:

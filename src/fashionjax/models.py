@@ -160,7 +160,7 @@ class ConvNet:
     a hidden layer and a linear head. The first convolution reads the 28x28 pixels themselves with a
     few filters (with --whiten: directions of a 3x3 patch) and always pools; the negations of its
     responses are pooled too, so ReLU keeps both signs, for the cost of the filters alone. Why each
-    part is there: README, "Speedrun"."""
+    part is there: docs/speedrun.md."""
 
     filters: tuple[int, ...]  # filters each convolution computes
     pools: tuple[bool, ...]  # whether each convolution after the first is pooled
@@ -252,13 +252,13 @@ class ConvNet:
 
 # The record attempt: 9 filters at 28x28 (a 3x3 patch has 9 directions), two of 48 at 14x14 (a
 # second one lifted seeds 0-4 from 93.73% to 94.22%; 48 wide instead of 64 trains 1.4x faster per
-# example, and the recipe's extra epochs buy the accuracy back: README, "Speedrun"), 128 at 7x7;
+# example, and the recipe's extra epochs buy the accuracy back: docs/speedrun.md, "48 wide"), 128 at 7x7;
 # 53.2 MFLOP of training per example.
 SPEEDRUN = ConvNet(filters=(9, 48, 48, 128), pools=(False, True, True))
 
 # The best-accuracy recipe's network: the same first layer, three 64-wide convolutions at 14x14 and
 # 128 at 7x7; 123.99 MFLOP of training per example. A third 14x14 convolution lifted seed 0 more
-# than twice the width did at about three quarters of its FLOPs (README, "Toward 95%").
+# than twice the width did at about three quarters of its FLOPs (docs/speedrun.md, "Toward 95%").
 DEEP = ConvNet(filters=(9, 64, 64, 64, 128), pools=(False, False, True, True))
 
 
