@@ -101,7 +101,7 @@ def small_speedrun(monkeypatch):
 def small_speedrun_cli() -> list[str]:
     """The command line of `fashionjax` (arguments follow) with SMALL_SPEEDRUN registered as `speedrun`."""
     return [sys.executable, "-c", "import sys; from fashionjax import cli, models; "
-            f"models.REGISTRY['speedrun'] = models.{SMALL_SPEEDRUN!r}.model('speedrun'); sys.exit(cli.main())"]
+            f"models.REGISTRY['speedrun'] = models.{SMALL_SPEEDRUN!r}.model('speedrun'); cli.run()"]
 
 
 @pytest.fixture(scope="session")

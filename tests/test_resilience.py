@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fashionjax import artifacts, checkpoint, cli
+from fashionjax import artifacts, checkpoint, cli, data
 
 pytestmark = pytest.mark.slow
 
@@ -314,11 +314,12 @@ def test_sigint_twice_never_tears_the_checkpoint(reference, tmp_path):
     assert resume(run_dir)["params_digest"] == reference["digest"]
 
 
+@pytest.mark.parametrize("delay", [0.5, 1.0, 1.5])
 @pytest.mark.parametrize("signum,exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_signal_during_start_up_exits_cleanly_leaving_nothing(signum, exit_code, real_dataset, tmp_path):
+def test_signal_during_start_up_exits_cleanly_leaving_nothing(signum, exit_code, delay, real_dataset, tmp_path):
     run_dir = tmp_path / "run"
     process = start(run_dir)
-    time.sleep(1.0)  # importing JAX, loading data: before the first chunk
+    time.sleep(delay)  # importing JAX and matplotlib, loading data: before the first chunk
     process.send_signal(signum)
     code, _, err = finish(process)
     assert "Traceback" not in err
@@ -326,6 +327,27 @@ def test_signal_during_start_up_exits_cleanly_leaving_nothing(signum, exit_code,
         assert not run_dir.exists()  # nothing half-written
     else:  # the signal came after training began: then it must have checkpointed
         assert code == exit_code and "resume with:" in err
+
+
+def test_a_signal_inside_a_class_being_created_still_exits_as_a_signal(tmp_path, synthetic_cli, capsys, monkeypatch):
+    """A signal landing while an import creates a class (matplotlib's, at start-up) reaches the
+    command wrapped: Python 3.11 reraises an exception from __set_name__ as a RuntimeError."""
+    class SignalledOnNaming:
+        def __set_name__(self, owner, name):
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler runs here, inside class creation
+
+    loaded = data.load
+
+    def load_while_importing(*args, **kwargs):
+        type("Imported", (), {"attribute": SignalledOnNaming()})
+        return loaded(*args, **kwargs)
+
+    monkeypatch.setattr(data, "load", load_while_importing)
+    run_dir = tmp_path / "run"
+    code = cli.main(["train", "--steps", "5", "--batch-size", "64", "--run-dir", str(run_dir)])
+    err = capsys.readouterr().err
+    assert code == 143 and "interrupted by SIGTERM" in err and "nothing was kept" in err
+    assert not run_dir.exists()
 
 
 def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before(reference, tmp_path):

@@ -1,5 +1,3 @@
-import sys
+from fashionjax.cli import run
 
-from fashionjax.cli import main
-
-sys.exit(main())
+run()

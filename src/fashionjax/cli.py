@@ -10,7 +10,9 @@ Ctrl-C while NumPy and JAX load still ends the command cleanly.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,7 +20,7 @@ from pathlib import Path
 from fashionjax import __version__
 from fashionjax.config import MODELS, ConfigError, TrainConfig
 from fashionjax.figures import percent, tta_name
-from fashionjax.signals import Interrupted, StopRequests
+from fashionjax.signals import STOP_SIGNALS, Interrupted, StopRequests, interruption
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
@@ -461,7 +463,10 @@ def main(argv: list[str] | None = None) -> int:
         out = console.Output(json_mode="--json" in argv, quiet="--quiet" in argv)
         stops.note = out.note
         return _run(argv, out, stops)
-    except Interrupted as stop:  # before the output existed: nothing to say it with
+    except Exception as err:  # a signal before the output existed: nothing to say it with
+        stop = interruption(err)
+        if stop is None:
+            raise
         return 128 + stop.signum
     finally:
         stops.restore()
@@ -478,7 +483,8 @@ def _run(argv: list[str], out, stops: StopRequests) -> int:
         return handler(args, out, stops) if handler in NEEDS_SIGNALS else handler(args, out)
     except SystemExit as done:  # --help and --version: argparse printed them
         return int(done.code or 0)
-    except Exception as err:
+    except Exception as raised:
+        err = interruption(raised) or raised
         if debug and not isinstance(err, Interrupted | UsageError):
             raise
         lines = str(err).strip().splitlines() or [type(err).__name__]
@@ -494,5 +500,20 @@ def _run(argv: list[str], out, stops: StopRequests) -> int:
             out.error(f"[{time.perf_counter() - started:.2f}s]")
 
 
+def run() -> None:
+    """The `fashionjax` program: main(), then exit with its code. After a signal it leaves without
+    Python's finalization: a signal during start-up can stop an import (JAX's) halfway with native
+    threads running, and finalizing around them can abort the process (seen once in 40 SIGTERMs:
+    "PyThreadState_Get: ... the GIL is released", exit -6). By then every file is written and closed
+    (checkpoints are synchronous), so only the output streams need flushing."""
+    code = main()
+    if code in {128 + signum for signum in STOP_SIGNALS}:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a closed or broken stream has nothing left to lose
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

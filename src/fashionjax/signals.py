@@ -31,6 +31,19 @@ class Interrupted(Exception):
         return f"interrupted by {signal.Signals(self.signum).name}{where}{outcome}"
 
 
+def interruption(err: BaseException) -> Interrupted | None:
+    """The Interrupted that `err` is or was raised from, if any. A signal raises it wherever the
+    command happens to be, and some places wrap what they catch: Python 3.11 turns an exception in
+    a class's __set_name__ (matplotlib's classes, while being imported) into a RuntimeError."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, Interrupted):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
 class StopRequests:
     """Handlers for SIGINT/SIGTERM, installed for the life of a command.
 

@@ -30,7 +30,7 @@ from fashionjax import train as train_lib
 from fashionjax.checkpoint import ResumeError
 from fashionjax.config import ConfigError, TrainConfig
 from fashionjax.report import render
-from fashionjax.signals import Interrupted, StopRequests
+from fashionjax.signals import Interrupted, StopRequests, interruption
 
 
 def fresh_config(explicit: dict) -> TrainConfig:
@@ -121,10 +121,11 @@ def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, target) 
         summary = run_lib.finish(config, result, dataset, target, mesh)
         if owned is not None:
             out.note(f"report: {render.render(run_dir, target=owned.file('report.html'))}")
-    except Interrupted as stop:
-        _report_interrupt(out, stop, owned, hint)
-        raise
-    except BaseException:
+    except BaseException as err:
+        stop = interruption(err)
+        if stop is not None:
+            _report_interrupt(out, stop, owned, hint)
+            raise stop from None
         if owned is not None and not args.resume and not rundir.has_checkpoint(run_dir):
             owned.discard_unresumable()
         raise
