@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         stop = interruption(err)
         if stop is None:
             raise
-        return 128 + stop.signum
+        return exit_code(stop)
     finally:
         stops.restore()
 
