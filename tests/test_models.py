@@ -53,6 +53,8 @@ def test_model_contract(name):
 def test_registry_matches_config_choices():
     assert tuple(models.REGISTRY) == config.MODELS
     assert tuple(name for name, model in models.REGISTRY.items() if model.whitening) == config.WHITENABLE
+    has_filters = lambda model: any(leaf.ndim == 4 for leaf in jax.tree.leaves(model.init(jax.random.key(0))))  # noqa: E731
+    assert tuple(name for name, model in models.REGISTRY.items() if has_filters(model)) == config.CONVOLUTIONAL
 
 
 def test_mlp_is_the_codelab_model():

@@ -10,6 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from fashionjax import augment, cli, config, evaluate, layers, models, speedrun, train
@@ -71,6 +72,40 @@ def test_nesterov_sgd_by_hand():
             assert float(updates["w"]) == pytest.approx(want, rel=1e-6)
     with pytest.raises(config.ConfigError, match="--nesterov applies to --optimizer sgd only"):
         config.validate(dataclasses.replace(config.TrainConfig(), nesterov=True))
+
+
+def test_muon_orthogonalizes_filters_by_hand_and_leaves_the_rest_to_adamw():
+    # A rank-one gradient u v^T of a (3, 3, 2, 2) filter, read as an (18, 2) matrix, with v = (1, -1)/sqrt(2):
+    # AOL's rescaling then gives it singular value 1 (v's entries are equal in size), and each Newton-Schulz
+    # iteration maps a singular value s to a s + b s^3 + c s^5. Momentum and the rescaling drop the
+    # gradient's size, so the first update is -rate * 0.2 sqrt(18) * s3 * u v^T (consistent RMS: 0.2 times
+    # the square root of the larger side), at muon_scale times --lr. The bias gets AdamW's first step, with
+    # Nesterov momentum as optax's muon gives its other leaves.
+    u = np.arange(1.0, 19.0) * np.array([1, -1] * 9)
+    u /= np.linalg.norm(u)
+    v = np.array([1.0, -1.0]) / math.sqrt(2)
+    grads = {"conv": {"w": jnp.asarray(3.7 * np.outer(u, v).reshape(3, 3, 2, 2), jnp.float32),
+                      "b": jnp.array([0.5, -2.0])}}
+    params = jax.tree.map(jnp.zeros_like, grads)
+    muon = dataclasses.replace(config.TrainConfig(), model="cnn", optimizer="muon", lr=0.01, muon_scale=3.0,
+                               schedule="constant", weight_decay=0.0)
+    updates, _ = train.make_optimizer(muon, 10).update(grads, train.make_optimizer(muon, 10).init(params), params)
+    a, b, c = 3.4445, -4.775, 2.0315  # Muon's Newton-Schulz coefficients
+    singular = 1.0
+    for _ in range(train.MUON_NS_STEPS):
+        singular = a * singular + b * singular ** 3 + c * singular ** 5
+    assert singular == pytest.approx(0.7207, abs=1e-4)  # 1 -> 0.7010 -> 1.1136 -> 0.7207
+    expected = -0.03 * 0.2 * math.sqrt(18) * singular * np.outer(u, v)
+    np.testing.assert_allclose(np.asarray(updates["conv"]["w"]).reshape(18, 2), expected, rtol=2e-4, atol=1e-7)
+    adamw = optax.adamw(0.01, weight_decay=0.0, nesterov=True)
+    bias_update, _ = adamw.update(grads["conv"]["b"], adamw.init(params["conv"]["b"]), params["conv"]["b"])
+    np.testing.assert_allclose(np.asarray(updates["conv"]["b"]), np.asarray(bias_update), rtol=1e-6)
+    with pytest.raises(config.ConfigError, match="--optimizer muon orthogonalizes convolution filters; --model mlp"):
+        config.validate(dataclasses.replace(muon, model="mlp"))
+    with pytest.raises(config.ConfigError, match="--muon-scale must be a positive"):
+        config.validate(dataclasses.replace(muon, muon_scale=0.0))
+    with pytest.raises(config.ConfigError, match="--muon-scale applies to --optimizer muon only, not adamw"):
+        config.validate(dataclasses.replace(muon, optimizer="adamw", muon_scale=2.0))
 
 
 def test_the_optimizer_never_touches_running_statistics(small_dataset):
@@ -153,10 +188,12 @@ def test_speedrun_training_is_deterministic_and_learns(small_dataset):
         train.params_digest(first.state.params)
 
 
-def test_speedrun_resume_is_bit_identical(tmp_path, synthetic_cli, capsys, small_speedrun):
-    # the recipe (which whitens) with a moving average of the weights: both live in the state resume restores
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_speedrun_resume_is_bit_identical(tmp_path, synthetic_cli, capsys, small_speedrun, optimizer):
+    # the recipe (which whitens) with a moving average of the weights: both live in the state resume restores,
+    # as Muon's momentum does
     flags = ["--model", "speedrun", "--batch-size", "64", "--log-every", "4", "--schedule", "constant", "--quiet",
-             "--json", "--ema", "0.9"]
+             "--json", "--ema", "0.9", "--optimizer", optimizer]
     assert cli.main(["train", *flags, "--steps", "12", "--run-dir", str(tmp_path / "straight")]) == 0
     straight = json.loads(capsys.readouterr().out)
     assert cli.main(["train", *flags, "--steps", "8", "--run-dir", str(tmp_path / "split")]) == 0

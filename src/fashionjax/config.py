@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 MODELS = ("mlp", "cnn", "speedrun", "deep")  # kept in step with models.REGISTRY by a test
 WHITENABLE = ("speedrun", "deep")  # models whose first layer --whiten can fit; kept in step with models by a test
-OPTIMIZERS = ("adamw", "adam", "sgd")
+CONVOLUTIONAL = ("cnn", "speedrun", "deep")  # models with convolution filters (for --optimizer muon); the same test
+OPTIMIZERS = ("adamw", "adam", "sgd", "muon")
 SCHEDULES = ("constant", "cosine")
 DTYPES = ("float32", "bfloat16")
 MAX_SEED = 2**32 - 1  # JAX's default PRNG takes 32-bit seeds: larger ones alias smaller ones
@@ -38,7 +39,9 @@ class TrainConfig:
     schedule: str = _flag(f"one of {', '.join(SCHEDULES)} (cosine warms up first)", "cosine", choices=SCHEDULES)
     warmup_steps: int = _flag("warm-up steps of the cosine schedule", 100)
     weight_decay: float = _flag("decoupled weight decay", 1e-4)
-    momentum: float = _flag("momentum (sgd only)", 0.9)
+    momentum: float = _flag("momentum (sgd; muon's convolution filters)", 0.9)
+    muon_scale: float = _flag("--optimizer muon: the convolution filters' peak rate as a multiple of --lr (Muon's "
+                              "updates are scaled to AdamW's size; every other weight trains with AdamW at --lr)", 3.0)
     nesterov: bool = _flag("Nesterov momentum (sgd only)", False)
     clip_norm: float | None = _flag("clip gradients to this global norm (off when unset)", None)
     dtype: str = _flag(f"compute dtype: {', '.join(DTYPES)}", "float32", choices=DTYPES)
@@ -109,6 +112,13 @@ def validate(config: TrainConfig) -> TrainConfig:
     _require(not config.nesterov or config.optimizer == "sgd",
              f"--nesterov applies to --optimizer sgd only, not {config.optimizer}")
     _require(config.momentum >= 0 and math.isfinite(config.momentum), f"--momentum must be >= 0, got {config.momentum}")
+    _require(config.optimizer != "muon" or config.model in CONVOLUTIONAL,
+             f"--optimizer muon orthogonalizes convolution filters; --model {config.model} has none "
+             f"(choose from {', '.join(CONVOLUTIONAL)})")
+    _require(math.isfinite(config.muon_scale) and config.muon_scale > 0,
+             f"--muon-scale must be a positive finite number, got {config.muon_scale}")
+    _require(config.optimizer == "muon" or config.muon_scale == TrainConfig.muon_scale,
+             f"--muon-scale applies to --optimizer muon only, not {config.optimizer}")
     _require(config.batch_size >= 1, f"batch size must be at least 1, got {config.batch_size}")
     _require(config.eval_batch_size >= 1, f"eval batch size must be at least 1, got {config.eval_batch_size}")
     _require(config.log_every >= 1, f"--log-every must be at least 1, got {config.log_every}")
@@ -171,7 +181,7 @@ def codelab() -> TrainConfig:
 # Fields that define a run's trajectory: resuming with any of them changed is refused. The run's
 # length is checked through the plan; cadences (log_every, checkpoint_every, keep) may change.
 TRAJECTORY_FIELDS = ("model", "batch_size", "optimizer", "lr", "schedule", "warmup_steps", "weight_decay",
-                     "momentum", "nesterov", "clip_norm", "dtype", "augment", "max_shift", "alternate_flips", "cutout",
+                     "momentum", "muon_scale", "nesterov", "clip_norm", "dtype", "augment", "max_shift", "alternate_flips", "cutout",
                      "whiten", "ema", "label_smoothing", "seed", "seeds", "sweep")
 
 
