@@ -181,8 +181,8 @@ def codelab() -> TrainConfig:
 # Fields that define a run's trajectory: resuming with any of them changed is refused. The run's
 # length is checked through the plan; cadences (log_every, checkpoint_every, keep) may change.
 TRAJECTORY_FIELDS = ("model", "batch_size", "optimizer", "lr", "schedule", "warmup_steps", "weight_decay",
-                     "momentum", "muon_scale", "nesterov", "clip_norm", "dtype", "augment", "max_shift", "alternate_flips", "cutout",
-                     "whiten", "ema", "label_smoothing", "seed", "seeds", "sweep")
+                     "momentum", "muon_scale", "nesterov", "clip_norm", "dtype", "augment", "max_shift",
+                     "alternate_flips", "cutout", "whiten", "ema", "label_smoothing", "seed", "seeds", "sweep")
 
 
 def differences(saved: dict, wanted: dict, names) -> list[str]:

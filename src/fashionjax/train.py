@@ -99,8 +99,8 @@ def _optimizer(config: TrainConfig, learning_rate, weight_decay, momentum) -> op
 
 
 # Three Newton-Schulz iterations after AOL's rescaling, not optax's default five after the Frobenius
-# norm's: the same accuracy in 4-epoch speedruns, for about half of Muon's cost in a step
-# (docs/speedrun.md, "Muon").
+# norm's: the same accuracy in 4-epoch speedruns, for a quarter less of the time Muon adds to a step
+# (docs/speedrun.md, "Muon for the convolutions").
 MUON_NS_STEPS, MUON_PRECONDITIONING = 3, "aol"
 
 
