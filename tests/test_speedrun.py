@@ -89,7 +89,8 @@ def test_muon_orthogonalizes_filters_by_hand_and_leaves_the_rest_to_adamw():
     params = jax.tree.map(jnp.zeros_like, grads)
     muon = dataclasses.replace(config.TrainConfig(), model="cnn", optimizer="muon", lr=0.01, muon_scale=3.0,
                                schedule="constant", weight_decay=0.0)
-    updates, _ = train.make_optimizer(muon, 10).update(grads, train.make_optimizer(muon, 10).init(params), params)
+    optimizer = train.make_optimizer(muon, 10)
+    updates, _ = optimizer.update(grads, optimizer.init(params), params)
     a, b, c = 3.4445, -4.775, 2.0315  # Muon's Newton-Schulz coefficients
     singular = 1.0
     for _ in range(train.MUON_NS_STEPS):
