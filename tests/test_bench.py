@@ -54,10 +54,12 @@ def test_models_at_once_compares_with_one_model_and_is_skipped_alone(monkeypatch
 
     monkeypatch.setattr(bench, "measure", fake_measure)
     work = lambda dtype, batch: bench.Workload(config_lib.default("mlp"), None, None, None)  # noqa: E731
-    rows = bench.models_at_once(bench.BenchConfig(members=(4, 1)), work, lambda line: None, "cpu")
+    rows = bench.models_at_once(bench.BenchConfig(members=(4, 1)), work, lambda line: None)
     assert [row["members"] for row in rows] == [1, 4]
     assert [row["speedup_over_separate"] for row in rows] == [1.0, pytest.approx(3.6)]
-    assert bench.models_at_once(bench.BenchConfig(members=(1,)), work, lambda line: None, "cpu") == []
+    assert bench.models_at_once(bench.BenchConfig(members=(1,)), work, lambda line: None) == []
+    # without --members a GPU adds 16, 32 and 64; asked for, the counts are exactly those asked for
+    assert bench.default_members("gpu") == (1, 2, 4, 8, 16, 32, 64) and bench.default_members("cpu") == (1, 2, 4, 8)
 
 
 @pytest.mark.slow
@@ -85,8 +87,21 @@ def test_bench_cli_tiny_run_writes_the_schema(tmp_path, synthetic_cli, monkeypat
     assert all((out_dir / name).stat().st_size > 1000 for name in document["charts"])
 
 
+def test_bench_runs_only_the_modes_and_member_counts_asked_for(tmp_path, synthetic_cli, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "measure_cpu_peak", lambda dtype: 1e11)
+    code = cli.main(["bench", "--modes", "jit-step,fused", "--batch-sizes", "64", "--dtypes", "float32", "--steps", "2",
+                     "--repeats", "1", "--members", "1,2", "--out", str(tmp_path / "bench"), "--json"])
+    assert code == 0
+    document = json.loads(capsys.readouterr().out)
+    assert [case["mode"] for case in document["cases"]] == ["jit-step", "fused"]
+    assert document["config"]["modes"] == ["jit-step", "fused"] and document["config"]["members"] == [1, 2]
+    assert [row["members"] for row in document["models_at_once"]] == [1, 2]
+
+
 def test_bench_bad_flags_exit_2(tmp_path, capsys):
     assert cli.main(["bench", "--batch-sizes", "64,x", "--out", str(tmp_path / "b")]) == 2
     assert "--batch-sizes" in capsys.readouterr().err
+    assert cli.main(["bench", "--modes", "fused,lazy", "--out", str(tmp_path / "m")]) == 2
+    assert "--modes: unknown mode 'lazy'" in capsys.readouterr().err and not (tmp_path / "m").exists()
     assert cli.main(["bench", "--dtypes", "float16", "--out", str(tmp_path / "c")]) == 2
     assert not (tmp_path / "c").exists()

@@ -44,7 +44,13 @@ class BenchConfig:
     repeats: int = 5
     eager_steps: int = 10
     compare_batch: int = 512  # where eager, jit-step and fused are compared
-    members: tuple[int, ...] = (1, 2, 4, 8)  # models at once (a GPU adds 16, 32, 64)
+    members: tuple[int, ...] | None = None  # models at once; None: default_members() of the backend
+    modes: tuple[str, ...] = MODES  # eager, op by op, of the speedrun net ran past half a minute on an H200
+
+
+def default_members(backend: str) -> tuple[int, ...]:
+    """Models at once when --members is not given: 1, 2, 4, 8, and on a GPU also 16, 32 and 64."""
+    return (1, 2, 4, 8, 16, 32, 64) if backend == "gpu" else (1, 2, 4, 8)
 
 
 def quick() -> BenchConfig:
@@ -57,12 +63,15 @@ def validate(config: BenchConfig, num_examples: int, device_count: int = 1) -> B
         raise ConfigError(f"unknown model {config.model!r} (choose from {', '.join(models.REGISTRY)})")
     if not config.dtypes or not config.batch_sizes:
         raise ConfigError(f"--{'dtypes' if not config.dtypes else 'batch-sizes'}: the list is empty")
+    for mode in config.modes:
+        if mode not in MODES:
+            raise ConfigError(f"--modes: unknown mode {mode!r} (choose from {', '.join(MODES)})")
     for dtype in config.dtypes:
         if dtype not in DTYPES:
             raise ConfigError(f"--dtypes: unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
     for size in config.batch_sizes:
         plan_lib.resolve(TrainConfig(batch_size=size), num_examples, device_count)
-    if not config.members or min(config.members) < 1:
+    if config.members is not None and (not config.members or min(config.members) < 1):
         raise ConfigError("--members: expected model counts of at least 1")
     if config.steps < 1 or config.repeats < 1:
         raise ConfigError("--steps and --repeats must be at least 1")
@@ -260,6 +269,7 @@ def run(config: BenchConfig, train_images_u8: np.ndarray, train_labels: np.ndarr
     validate(config, num_examples, int(mesh.devices.size))
     model = models.get(config.model)
     env = environment.describe(with_git=True)
+    config = dataclasses.replace(config, members=config.members or default_members(env["backend"]))
     # The model's own recipe (optimizer, label smoothing), at a constant rate for an endless run.
     base = dataclasses.replace(config_lib.default(config.model), schedule="constant", epochs=None, steps=config.steps)
     placed = {}  # the training data, once per mesh
@@ -273,7 +283,7 @@ def run(config: BenchConfig, train_images_u8: np.ndarray, train_labels: np.ndarr
 
     cases = []
     for dtype in config.dtypes:
-        for mode in MODES:
+        for mode in config.modes:
             batches = config.batch_sizes if mode == "fused" else (config.compare_batch,)
             for batch in batches:
                 steps = config.eager_steps if mode == "eager" else config.steps
@@ -295,7 +305,7 @@ def run(config: BenchConfig, train_images_u8: np.ndarray, train_labels: np.ndarr
         "tokens_per_example": model.tokens_per_example, "tokens_assumption": models.TOKENS_ASSUMPTION,
         "peak": peak, "cases": cases, "placement": placement(work(config.dtypes[0], config.compare_batch)),
         "scaling": scaling(config, work, log) if mesh.devices.size > 1 else None,
-        "models_at_once": models_at_once(config, work, log, env["backend"]),
+        "models_at_once": models_at_once(config, work, log),
         "notes": notes(cases, env),
     }
 
@@ -312,11 +322,11 @@ def scaling(config: BenchConfig, work: Callable, log) -> dict:
             "per_device_n": many / devices, "efficiency": many / (devices * one)}
 
 
-def models_at_once(config: BenchConfig, work: Callable, log, backend: str) -> list[dict]:
+def models_at_once(config: BenchConfig, work: Callable, log) -> list[dict]:
     """Fused float32 at the comparison batch with N models in one program (vmapped members), against
     N separate runs one after another (which together go at one run's model-examples/sec). Empty when
     only one model is asked for: the fused case above already measured it, and there is nothing to compare."""
-    counts = sorted(set(config.members) | ({16, 32, 64} if backend == "gpu" else set()))
+    counts = sorted(set(config.members))
     if counts == [1]:
         return []
     rows = []

@@ -136,7 +136,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     bench_cmd.add_argument("--dtypes", help="comma-separated compute dtypes (default float32,bfloat16)")
     bench_cmd.add_argument("--steps", type=int, help="timed steps per repeat (default 100)")
     bench_cmd.add_argument("--repeats", type=int, help="timed repeats per case (default 5)")
-    bench_cmd.add_argument("--members", help="comma-separated model counts trained at once (default 1,2,4,8)")
+    bench_cmd.add_argument("--members", help="comma-separated model counts trained at once "
+                                             "(default 1,2,4,8; on a GPU also 16,32,64)")
+    bench_cmd.add_argument("--modes", help="comma-separated ways to run the step: eager, jit-step, fused (default all)")
     bench_cmd.add_argument("--quick", action="store_true", help="a smaller sweep that ends within a minute")
     bench_cmd.add_argument("--devices", type=_devices, default="all", help="how many local devices to use, or 'all'")
     bench_cmd.add_argument("--out", help="output directory (default runs/bench-<UTC time>)")
@@ -410,7 +412,7 @@ def cmd_bench(args, out) -> int:
     base = bench.quick() if args.quick else bench.BenchConfig()
     overrides = {"model": args.model, "batch_sizes": _csv(args.batch_sizes, int, "--batch-sizes"),
                  "dtypes": _csv(args.dtypes, str, "--dtypes"), "steps": args.steps, "repeats": args.repeats,
-                 "members": _csv(args.members, int, "--members")}
+                 "members": _csv(args.members, int, "--members"), "modes": _csv(args.modes, str, "--modes")}
     config = dataclasses.replace(base, **{k: v for k, v in overrides.items() if v is not None})
     if config.compare_batch not in config.batch_sizes:
         config = dataclasses.replace(config, compare_batch=config.batch_sizes[0])
