@@ -9,6 +9,7 @@ out=${1:?usage: gpu_check.sh OUT_DIR [SECONDS]}
 mkdir -p "$out" && cd "$(dirname "$0")/.." || exit 2
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 FASHIONJAX_OFFLINE=1
 results=$out/results.txt log=$out/log.txt work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT  # the run directories: every figure is already in results.txt
 ends=$(( $(date +%s) + ${2:-530} ))
 
 step() {  # step NAME SECONDS fashionjax-args...: at most SECONDS, and never past the budget

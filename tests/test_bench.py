@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -105,3 +109,17 @@ def test_bench_bad_flags_exit_2(tmp_path, capsys):
     assert "--modes: unknown mode 'lazy'" in capsys.readouterr().err and not (tmp_path / "m").exists()
     assert cli.main(["bench", "--dtypes", "float16", "--out", str(tmp_path / "c")]) == 2
     assert not (tmp_path / "c").exists()
+
+
+def test_gpu_check_script_stops_at_once_without_a_gpu(tmp_path):
+    # benchmarks/gpu_check.sh runs where a GPU is lent, for minutes; on a CPU it must stop at its first
+    # step with that step's one JSON document on record, not train anything
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.sh"
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    done = subprocess.run(["bash", str(script), str(tmp_path / "out")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 1, done.stderr
+    name, _, body = (tmp_path / "out" / "results.txt").read_text().partition("\n")
+    assert name == "### doctor rc=1"
+    assert "no GPU visible" in json.loads(body)["error"]["message"]
+
