@@ -12,6 +12,10 @@ results=$out/results.txt log=$out/log.txt work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT  # the run directories: every figure is already in results.txt
 ends=$(( $(date +%s) + ${2:-530} ))
 
+record() {  # record NAME FILE: a titled JSON document in results.txt
+  { echo "### $1"; cat "$2"; echo; } >>"$results"
+}
+
 step() {  # step NAME SECONDS fashionjax-args...: at most SECONDS, and never past the budget
   local name=$1 cap=$2 room=$(( ends - $(date +%s) )); shift 2
   if [ "$room" -lt 20 ]; then echo "## $name skipped: $room s left" | tee -a "$log"; return 1; fi
@@ -19,12 +23,12 @@ step() {  # step NAME SECONDS fashionjax-args...: at most SECONDS, and never pas
   echo "## $name (at most $cap s) $(date +%T): $*" | tee -a "$log"
   timeout "$cap" python3 -m fashionjax "$@" --json >"$work/step.json" 2>>"$log"
   local rc=$?
-  { echo "### $name rc=$rc"; cat "$work/step.json"; echo; } >>"$results"
+  record "$name rc=$rc" "$work/step.json"
   return $rc
 }
 
 finished_seeds() {  # the seeds a speedrun finished before its budget ran out
-  for f in "$1"/seed-*/summary.json; do [ -f "$f" ] && { echo "### $f"; cat "$f"; echo; } >>"$results"; done
+  for f in "$1"/seed-*/summary.json; do [ -f "$f" ] && record "$f" "$f"; done
 }
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

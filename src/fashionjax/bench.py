@@ -63,12 +63,10 @@ def validate(config: BenchConfig, num_examples: int, device_count: int = 1) -> B
         raise ConfigError(f"unknown model {config.model!r} (choose from {', '.join(models.REGISTRY)})")
     if not config.dtypes or not config.batch_sizes:
         raise ConfigError(f"--{'dtypes' if not config.dtypes else 'batch-sizes'}: the list is empty")
-    for mode in config.modes:
-        if mode not in MODES:
-            raise ConfigError(f"--modes: unknown mode {mode!r} (choose from {', '.join(MODES)})")
-    for dtype in config.dtypes:
-        if dtype not in DTYPES:
-            raise ConfigError(f"--dtypes: unknown dtype {dtype!r} (choose from {', '.join(DTYPES)})")
+    for flag, values, known in (("--modes", config.modes, MODES), ("--dtypes", config.dtypes, DTYPES)):
+        for value in values:
+            if value not in known:
+                raise ConfigError(f"{flag}: unknown {flag[2:-1]} {value!r} (choose from {', '.join(known)})")
     for size in config.batch_sizes:
         plan_lib.resolve(TrainConfig(batch_size=size), num_examples, device_count)
     if config.members is not None and (not config.members or min(config.members) < 1):
