@@ -4,6 +4,7 @@ Tests that only drive the network through the trainer train conftest's SMALL_SPE
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 
@@ -50,6 +51,22 @@ def test_planar_convolution_matches_im2col():
     impulse = jnp.zeros((1, 5, 5)).at[0, 2, 2].set(1.0)
     np.testing.assert_array_equal(np.asarray(layers.conv3x3_same_planes(impulse, w)[0, 0, 1:4, 1:4]),
                                   np.asarray(w[::-1, ::-1, 0, 0]))
+
+
+def test_native_convolution_matches_im2col_and_its_gradients():
+    # The GPU's path (XLA's convolution), forced on here: the same layout (HWIO), padding and gradients
+    x = jax.random.normal(jax.random.key(2), (3, 5, 4, 6))
+    w = jax.random.normal(jax.random.key(3), (3, 3, 6, 7))
+    for native in (True, False):
+        np.testing.assert_allclose(np.asarray(layers.conv3x3_same(x, w, native=native)),
+                                   np.asarray(layers.conv3x3_same(x, w, native=not native)), rtol=1e-5, atol=1e-5)
+    grads = [jax.grad(lambda x, w, n=native: jnp.sum(jnp.sin(layers.conv3x3_same(x, w, native=n))), argnums=(0, 1))(x, w)
+             for native in (True, False)]
+    for native_grad, im2col_grad in zip(*grads, strict=True):
+        np.testing.assert_allclose(np.asarray(native_grad), np.asarray(im2col_grad), rtol=1e-4, atol=1e-4)
+    big = jnp.zeros((layers.GPU_CONV_MIN_BATCH, 4, 4, 6))  # a CPU keeps im2col even at the GPU's batch sizes
+    assert "conv_general_dilated" not in str(jax.make_jaxpr(layers.conv3x3_same)(big, w))
+    assert "conv_general_dilated" in str(jax.make_jaxpr(functools.partial(layers.conv3x3_same, native=True))(x, w))
 
 
 def test_label_smoothing_loss_by_hand():
@@ -305,15 +322,27 @@ def test_cutout_blacks_out_one_square_per_image_cut_at_the_edges():
 
 def test_whitening_filters_by_hand():
     # Second moment diag(2, 0.5): the leading direction is e1 (eigenvalue 2), then e2 (0.5).
-    patches = np.array([[2.0, 0.0], [-2.0, 0.0], [0.0, 1.0], [0.0, -1.0]])
-    one = models.whitening_filters(patches, 1, eps=0.0)
+    moments = np.diag([2.0, 0.5])
+    one = models.whitening_filters(moments, 1, eps=0.0)
     np.testing.assert_allclose(np.abs(one), [[1 / math.sqrt(2)], [0]], atol=1e-12)
-    both = models.whitening_filters(patches, 2, eps=0.0)
+    both = models.whitening_filters(moments, 2, eps=0.0)
     np.testing.assert_allclose(np.abs(both), [[1 / math.sqrt(2), 0], [0, math.sqrt(2)]], atol=1e-12)
     # Correlated patches come out with unit, uncorrelated second moments along every kept direction
     mixed = np.random.default_rng(0).normal(size=(5000, 3)) @ np.array([[3.0, 1, 0], [0, 1, 0.5], [0, 0, 0.2]])
-    projected = mixed @ models.whitening_filters(mixed, 3, eps=0.0)
+    projected = mixed @ models.whitening_filters(mixed.T @ mixed / len(mixed), 3, eps=0.0)
     np.testing.assert_allclose(projected.T @ projected / len(mixed), np.eye(3), atol=1e-9)
+
+
+def test_patch_moments_by_hand():
+    # One 3x4 image has two whole 3x3 windows: columns 0-2 and 1-3. Tap (i, j) reads row i, column j + k.
+    image = np.arange(12.0).reshape(1, 3, 4)
+    patches = np.array([image[0, :, k:k + 3].ravel() for k in range(2)])  # (2 windows, 9 taps)
+    np.testing.assert_allclose(models.patch_moments(image), patches.T @ patches / 2, rtol=1e-15)
+    assert models.patch_moments(image)[0, 8] == (0 * 10 + 1 * 11) / 2  # first tap x last tap, by hand
+    # Many images: the same matrix as from the patch matrix itself
+    images = np.random.default_rng(1).normal(size=(7, 6, 5))
+    windows = np.stack(layers.taps3x3(images, 4, 3), axis=-1).reshape(-1, 9)
+    np.testing.assert_allclose(models.patch_moments(images), windows.T @ windows / len(windows), rtol=1e-12)
 
 
 def test_whitened_first_layer_whitens_its_patches_and_stays_frozen(small_dataset):
@@ -328,7 +357,7 @@ def test_whitened_first_layer_whitens_its_patches_and_stays_frozen(small_dataset
     # Training moves every weight but the whitening filters (and the running statistics' own rule)
     whitened = dataclasses.replace(TINY, whiten=True, lr=0.1, weight_decay=0.5, schedule="constant")
     optimizer = train.make_optimizer(whitened, 8)
-    state = train.initial_state(whitened, 8, small_dataset.train.images_u8)
+    state = train.initial_state(whitened, 8, train.fitted_whitening(whitened, small_dataset.train.images_u8))
     np.testing.assert_array_equal(np.asarray(state.params["conv0"]["w"]), np.asarray(params["conv0"]["w"]))
     after, _ = jax.jit(train.make_train_step(model, optimizer, jnp.float32, 0.1))(
         state, small_dataset.train.images_u8[:64].reshape(64, -1), small_dataset.train.labels[:64])
@@ -344,7 +373,7 @@ def test_a_frozen_layer_costs_no_backward_work_and_changes_no_update(small_datas
     model, frozen = models.get("speedrun"), train.frozen_paths(whitened)
     assert frozen == (("conv0", "w"),) and train.frozen_paths(TINY) == ()
     optimizer = train.make_optimizer(whitened, 8)
-    state = train.initial_state(whitened, 8, small_dataset.train.images_u8)
+    state = train.initial_state(whitened, 8, train.fitted_whitening(whitened, small_dataset.train.images_u8))
     batch = small_dataset.train.images_u8[:64].reshape(64, -1), small_dataset.train.labels[:64]
     full, cut = (jax.jit(train.make_train_step(model, optimizer, jnp.float32, 0.1, paths)) for paths in ((), frozen))
     flops = [step.lower(state, *batch).compile().cost_analysis()["flops"] for step in (full, cut)]

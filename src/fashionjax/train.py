@@ -231,15 +231,20 @@ def init_state(model: models.Model, optimizer, seed: int, whiten=None) -> TrainS
     return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
 
 
-def initial_state(config: TrainConfig, schedule_steps: int, train_images_u8=None) -> TrainState:
+def fitted_whitening(config: TrainConfig, train_images_u8) -> Callable[[dict], dict] | None:
+    """With --whiten, the first layer fitted to the training images (a function that sets it in the
+    parameters); otherwise None."""
+    return models.get(config.model).whitening(train_images_u8) if config.whiten else None
+
+
+def initial_state(config: TrainConfig, schedule_steps: int, whiten: Callable[[dict], dict] | None = None) -> TrainState:
     """The fresh state of a run, or of all its members stacked on a leading axis: member i is the
     state of the single run of member_configs(config)[i] (its seed, its swept values).
 
-    With --whiten the training images fit the first layer; without them the state is a template
-    (the shapes a checkpoint restores into).
+    `whiten` (from fitted_whitening) sets the fitted first layer; without it a --whiten run's state
+    is a template (the shapes a checkpoint restores into).
     """
     model = models.get(config.model)
-    whiten = model.whitening(train_images_u8) if config.whiten and train_images_u8 is not None else None
     # Each member's optimizer state starts from its own swept values: one optimizer then serves all.
     states = [init_state(model, make_optimizer(dataclasses.replace(member, sweep=config.sweep), schedule_steps),
                          member.seed, whiten) for member in config_lib.member_configs(config)]
@@ -365,7 +370,7 @@ class TrainStats:
     """
 
     compile_seconds: float = 0.0
-    train_seconds: float = 0.0  # inside training chunks (and fitting --whiten): compile and evaluation excluded
+    train_seconds: float = 0.0  # inside training chunks (and fitting --whiten): compile, initialization and evaluation excluded
     steady_examples: int = 0  # every chunk but the first of each process lifetime (its warm-up)
     steady_seconds: float = 0.0
     wall_seconds: float = 0.0  # fit() from start to end, compile and checkpoints included
@@ -414,9 +419,9 @@ def fit(
                                  frozen_paths(config))
     if start is None:
         tic = time.perf_counter()
-        start = initial_state(config, plan.schedule_steps, train_images_u8), TrainStats()
-        if config.whiten:  # fitting the first layer to the training images is part of training
-            start[1].train_seconds = time.perf_counter() - tic
+        whiten = fitted_whitening(config, train_images_u8)  # fitting to the training images is training
+        fitting_seconds = time.perf_counter() - tic  # initializing the parameters is not
+        start = initial_state(config, plan.schedule_steps, whiten), TrainStats(train_seconds=fitting_seconds)
     state, stats = start
     stats = dataclasses.replace(stats)  # a copy: the caller's figures stay as they were
     wall_before = stats.wall_seconds
