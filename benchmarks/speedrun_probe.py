@@ -5,7 +5,7 @@ The variant, a `models.ConvNet` of another shape, is registered as `speedrun` in
 everything else (flags, run directory, summary.json) is the train command's own. Usage:
 
     python benchmarks/speedrun_probe.py [--filters 9,64,64,128] [--pools 011] [--hidden 512]
-        [--gelu] [--dropout 0.3] [--lookahead 5,0.5] -- train --model speedrun --run-dir runs/probe ...
+        [--gelu] [--dropout 0.3] [--lookahead 5,0.5] [--gpu-conv-min-batch N] -- train --model speedrun --run-dir runs/probe ...
 
 --filters: each convolution's filter count (the first layer's are pooled with their negations, as
 the model's are). --pools holds one digit per convolution after the first (which always pools): 1
@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fashionjax import cli, models, train
+from fashionjax import cli, layers, models, train
 
 
 class ProbeNet(models.ConvNet):
@@ -98,6 +98,8 @@ def main() -> int:
     parser.add_argument("--lookahead", default=None, metavar="K,ALPHA",
                         help="Lookahead: every K steps move slow weights ALPHA of the way to the fast ones")
     parser.add_argument("--dropout", type=float, default=0.0, help="drop this fraction of the hidden units in training")
+    parser.add_argument("--gpu-conv-min-batch", type=int, default=layers.GPU_CONV_MIN_BATCH,
+                        help="the batch from which a GPU runs XLA's convolution instead of im2col (0: always)")
     args = parser.parse_args(argv[:split])
     filters = tuple(int(f) for f in args.filters.split(","))
     if len(args.pools) != len(filters) - 1 or set(args.pools) - {"0", "1"}:
@@ -110,6 +112,7 @@ def main() -> int:
     if args.lookahead:
         period, alpha = args.lookahead.split(",")
         add_lookahead(int(period), float(alpha))
+    layers.GPU_CONV_MIN_BATCH = args.gpu_conv_min_batch
     if args.gelu:
         jax.nn.relu = jax.nn.gelu  # only the speedrun network calls relu; this process only
     print(f"speedrun variant: filters {filters}, pools 1{args.pools}, hidden {args.hidden}, "

@@ -3,7 +3,8 @@
 XLA's CPU convolutions (and their gradients) run far below its matmul speed at these small
 shapes, so each convolution here is one matmul over shifted views (im2col); shifted slices cost
 only data movement, and their gradients are pads and slices. On one-channel images, where that
-matmul would be only 9 wide, it is nine multiply-adds over shifted planes instead.
+matmul would be only 9 wide, it is nine multiply-adds over shifted planes instead. A GPU with large
+batches is the exception: there cuDNN's convolutions win.
 """
 
 from __future__ import annotations
@@ -18,9 +19,19 @@ def taps3x3(x, height: int, width: int) -> list:
     return [x[:, i:i + height, j:j + width] for i in range(3) for j in range(3)]
 
 
-def conv3x3_same(x, w):
-    """A 3x3 'SAME' convolution: (B, H, W, C) x (3, 3, C, K) -> (B, H, W, K), one matmul."""
+# From this batch size up, a GPU runs XLA's own convolution (cuDNN's) instead of im2col: training
+# the speedrun net on an H200 it was 1-4% faster at 256 (float32, bfloat16), 15-38% faster at
+# 512-1024, 23-27% slower at 16, and at 128 3.5% slower in float32 (docs/speedrun.md, "On a GPU").
+# CPUs always use im2col.
+GPU_CONV_MIN_BATCH = 256
+
+
+def conv3x3_same(x, w, native: bool | None = None):
+    """A 3x3 'SAME' convolution: (B, H, W, C) x (3, 3, C, K) -> (B, H, W, K), one matmul (im2col), or
+    XLA's convolution where `native` (by default: on a GPU, for batches of GPU_CONV_MIN_BATCH or more)."""
     batch, height, width, channels = x.shape
+    if native if native is not None else (jax.default_backend() == "gpu" and batch >= GPU_CONV_MIN_BATCH):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
     padded = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
     patches = jnp.concatenate(taps3x3(padded, height, width), axis=-1)  # (B, H, W, 9C)
     return patches @ w.reshape(9 * channels, -1)  # HWIO flattens in the same (i, j, c) order
