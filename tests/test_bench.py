@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -123,3 +124,30 @@ def test_gpu_check_script_stops_at_once_without_a_gpu(tmp_path):
     assert name == "### doctor rc=1"
     assert "no GPU visible" in json.loads(body)["error"]["message"]
 
+
+
+@pytest.mark.parametrize("phase", ["grid", "confirm"])
+def test_gpu_speedrun_attempt_stops_at_once_without_a_gpu(tmp_path, phase):
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_speedrun.py"
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "out"), "--phase", phase], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    name, _, body = (tmp_path / "out" / "results.txt").read_text().partition("\n")
+    assert name.startswith("### doctor rc=1 ")
+    assert "no GPU visible" in json.loads(body)["error"]["message"]
+    assert not (tmp_path / "out" / "runs").exists()  # nothing trained
+
+
+def test_gpu_speedrun_picks_the_fastest_recipe_to_reach_the_target():
+    spec = importlib.util.spec_from_file_location("gpu_speedrun", Path(__file__).resolve().parents[1] / "benchmarks"
+                                                  / "gpu_speedrun.py")
+    attempt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(attempt)
+
+    def doc(accuracy, seconds):
+        return {"test_accuracy_mean": accuracy, "reached_fraction": float(accuracy >= 0.94),
+                "train_seconds_median": seconds}
+
+    assert attempt.fastest_to_target({"slow": doc(0.945, 2.0), "fast": doc(0.941, 0.7), "short": doc(0.939, 0.5)}) == "fast"
+    assert attempt.fastest_to_target({"a": doc(0.935, 1.0), "b": doc(0.938, 2.0)}) == "b"  # none reached: most accurate
+    assert attempt.fastest_to_target({}) is None
