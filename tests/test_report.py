@@ -137,6 +137,16 @@ def test_percentages_are_cut_never_rounded_up():
     assert percent(0.0) == "0.00%" and percent(0.99999) == "99.99%"
 
 
+def test_spreads_are_cut_in_points_like_the_means():
+    import statistics
+
+    from fashionjax.figures import points
+
+    assert points(0.000573) == "0.05"  # was printed 0.06: a spread rounded up
+    assert points(statistics.stdev([0.9401, 0.9394, 0.9404, 0.9414, 0.9403])) == "0.07"  # 0.0719 points
+    assert points(0.0014) == "0.14" and points(0.0) == "0.00"
+
+
 def test_speeds_are_cut_to_whole_numbers_never_rounded_up():
     from fashionjax.figures import rate
 

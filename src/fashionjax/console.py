@@ -177,7 +177,7 @@ def member_rows(summary: dict) -> list[tuple[str, str]]:
     """A multi-model run's accuracy rows: mean ± sample std over the named seeds, each seed, the ensemble."""
     std = summary["test_accuracy_std"]
     seeds = [row["seed"] for row in summary["per_seed"]]
-    spread = f" ± {100 * std:.2f}" if std is not None else ""
+    spread = f" ± {figures.points(std)}" if std is not None else ""
     over = f"over {len(seeds)} members" if summary.get("sweep") else f"seeds {seeds[0]}-{seeds[-1]}"
     rows = [("test accuracy", f"{figures.percent(summary['test_accuracy'])}{spread} (mean ± std, {over}"
                               + (f", {figures.tta_name(summary)})" if summary["tta"] else ")"))]
@@ -279,10 +279,10 @@ def show_speedrun(out: Output, document: dict) -> None:
     out.show(table(f"speedrun: {document['model']}", columns, rows))
     median = document["median_seconds_to_target"]
     target = figures.percent(document["target"])
-    out.show(f"mean {figures.percent(document['test_accuracy_mean'])} ± {100 * document['test_accuracy_std']:.2f} over "
+    out.show(f"mean {figures.percent(document['test_accuracy_mean'])} ± {figures.points(document['test_accuracy_std'])} over "
              f"seeds {', '.join(map(str, document['seeds']))}" + (
                  f" ({figures.tta_name(document)}; {figures.percent(document['test_accuracy_no_tta_mean'])} ± "
-                 f"{100 * document['test_accuracy_no_tta_std']:.2f} without)" if tta else ""))
+                 f"{figures.points(document['test_accuracy_no_tta_std'])} without)" if tta else ""))
     out.show(f"{100 * document['reached_fraction']:.0f}% of seeds reached {target}; median training time to it: "
              + ("not reached by half the seeds" if median is None else f"{median:.1f} s")
              + f"; {document['train_flops_per_run'] / 1e12:.2f} TFLOP of training per run; {document['cpu_model']}")

@@ -17,6 +17,12 @@ def percent(fraction: float, digits: int = 2) -> str:
     return f"{_cut(100 * fraction, digits):.{digits}f}%"
 
 
+def points(spread: float, digits: int = 2) -> str:
+    """A spread of fractions (a standard deviation of accuracies) in percentage points, cut like
+    percent: 0.000573 -> '0.05'."""
+    return f"{_cut(100 * spread, digits):.{digits}f}"
+
+
 def tta_name(document: dict) -> str:
     """The test-time augmentation a summary's (or speedrun.json's) headline figure was scored with,
     when its "tta" is on; documents written before shifted views existed have no "tta_shift"."""

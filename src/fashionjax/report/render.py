@@ -8,7 +8,7 @@ from pathlib import Path
 import jinja2
 
 from fashionjax import artifacts
-from fashionjax.figures import percent, tta_name
+from fashionjax.figures import percent, points, tta_name
 
 # Published reference points (Fashion-MNIST benchmark, zalandoresearch/fashion-mnist README and
 # its benchmark page), and the codelab's own short run.
@@ -126,6 +126,7 @@ def _template(name: str):
     environment = _environment()
     environment.filters["pct"] = _pct
     environment.filters["num"] = _num
+    environment.filters["points"] = points
     return environment.get_template(name)
 
 
