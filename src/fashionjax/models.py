@@ -152,7 +152,7 @@ def patch_moments(images) -> np.ndarray:
     for a in range(9):
         for b in range(a, 9):
             moments[a, b] = moments[b, a] = np.einsum("nij,nij->", taps[a], taps[b])
-    return moments / (taps[0].size)
+    return moments / taps[0].size
 
 
 def whitening_filters(moments: np.ndarray, count: int, eps: float = 5e-4) -> np.ndarray:
