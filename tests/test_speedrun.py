@@ -357,7 +357,7 @@ def test_whitened_first_layer_whitens_its_patches_and_stays_frozen(small_dataset
     # Training moves every weight but the whitening filters (and the running statistics' own rule)
     whitened = dataclasses.replace(TINY, whiten=True, lr=0.1, weight_decay=0.5, schedule="constant")
     optimizer = train.make_optimizer(whitened, 8)
-    state = train.initial_state(whitened, 8, train.fitted_whitening(whitened, small_dataset.train.images_u8))
+    state = train.initial_state(whitened, 8, small_dataset.train.images_u8)
     np.testing.assert_array_equal(np.asarray(state.params["conv0"]["w"]), np.asarray(params["conv0"]["w"]))
     after, _ = jax.jit(train.make_train_step(model, optimizer, jnp.float32, 0.1))(
         state, small_dataset.train.images_u8[:64].reshape(64, -1), small_dataset.train.labels[:64])
@@ -373,7 +373,7 @@ def test_a_frozen_layer_costs_no_backward_work_and_changes_no_update(small_datas
     model, frozen = models.get("speedrun"), train.frozen_paths(whitened)
     assert frozen == (("conv0", "w"),) and train.frozen_paths(TINY) == ()
     optimizer = train.make_optimizer(whitened, 8)
-    state = train.initial_state(whitened, 8, train.fitted_whitening(whitened, small_dataset.train.images_u8))
+    state = train.initial_state(whitened, 8, small_dataset.train.images_u8)
     batch = small_dataset.train.images_u8[:64].reshape(64, -1), small_dataset.train.labels[:64]
     full, cut = (jax.jit(train.make_train_step(model, optimizer, jnp.float32, 0.1, paths)) for paths in ((), frozen))
     flops = [step.lower(state, *batch).compile().cost_analysis()["flops"] for step in (full, cut)]

@@ -237,14 +237,17 @@ def fitted_whitening(config: TrainConfig, train_images_u8) -> Callable[[dict], d
     return models.get(config.model).whitening(train_images_u8) if config.whiten else None
 
 
-def initial_state(config: TrainConfig, schedule_steps: int, whiten: Callable[[dict], dict] | None = None) -> TrainState:
+def initial_state(config: TrainConfig, schedule_steps: int, train_images_u8=None,
+                  whiten: Callable[[dict], dict] | None = None) -> TrainState:
     """The fresh state of a run, or of all its members stacked on a leading axis: member i is the
     state of the single run of member_configs(config)[i] (its seed, its swept values).
 
-    `whiten` (from fitted_whitening) sets the fitted first layer; without it a --whiten run's state
-    is a template (the shapes a checkpoint restores into).
+    With --whiten the training images fit the first layer (or `whiten`, a fit from fitted_whitening,
+    sets it); without either the state is a template (the shapes a checkpoint restores into).
     """
     model = models.get(config.model)
+    if whiten is None and train_images_u8 is not None:
+        whiten = fitted_whitening(config, train_images_u8)
     # Each member's optimizer state starts from its own swept values: one optimizer then serves all.
     states = [init_state(model, make_optimizer(dataclasses.replace(member, sweep=config.sweep), schedule_steps),
                          member.seed, whiten) for member in config_lib.member_configs(config)]
@@ -421,7 +424,7 @@ def fit(
         tic = time.perf_counter()
         whiten = fitted_whitening(config, train_images_u8)  # fitting to the training images is training
         fitting_seconds = time.perf_counter() - tic  # initializing the parameters is not
-        start = initial_state(config, plan.schedule_steps, whiten), TrainStats(train_seconds=fitting_seconds)
+        start = initial_state(config, plan.schedule_steps, whiten=whiten), TrainStats(train_seconds=fitting_seconds)
     state, stats = start
     stats = dataclasses.replace(stats)  # a copy: the caller's figures stay as they were
     wall_before = stats.wall_seconds
