@@ -93,7 +93,8 @@ def test_bench_cli_tiny_run_writes_the_schema(tmp_path, synthetic_cli, monkeypat
 
 
 def test_bench_runs_only_the_modes_and_member_counts_asked_for(tmp_path, synthetic_cli, monkeypatch, capsys):
-    monkeypatch.setattr(bench, "measure_cpu_peak", lambda dtype: 1e11)
+    measured = iter([1e11, 3e11])  # the peak before the cases, then after: a host's speed drifts
+    monkeypatch.setattr(bench, "measure_cpu_peak", lambda dtype: next(measured))
     code = cli.main(["bench", "--modes", "jit-step,fused", "--batch-sizes", "64", "--dtypes", "float32", "--steps", "2",
                      "--repeats", "1", "--members", "1,2", "--out", str(tmp_path / "bench"), "--json"])
     assert code == 0
@@ -101,6 +102,9 @@ def test_bench_runs_only_the_modes_and_member_counts_asked_for(tmp_path, synthet
     assert [case["mode"] for case in document["cases"]] == ["jit-step", "fused"]
     assert document["config"]["modes"] == ["jit-step", "fused"] and document["config"]["members"] == [1, 2]
     assert [row["members"] for row in document["models_at_once"]] == [1, 2]
+    assert document["peak"]["flops_per_sec"] == {"float32": 3e11}  # the higher: MFU is never flattered
+    fused = document["cases"][1]
+    assert fused["mfu"] == pytest.approx(fused["achieved_flops_per_sec"] / 3e11)
 
 
 def test_bench_bad_flags_exit_2(tmp_path, capsys):
