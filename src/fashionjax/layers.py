@@ -19,10 +19,10 @@ def taps3x3(x, height: int, width: int) -> list:
     return [x[:, i:i + height, j:j + width] for i in range(3) for j in range(3)]
 
 
-# From this batch size up, a GPU runs XLA's own convolution (cuDNN's) instead of im2col: training
-# the speedrun net on an H200 it was 1-4% faster at 256 (float32, bfloat16), 15-38% faster at
-# 512-1024, 23-27% slower at 16, and at 128 3.5% slower in float32 (docs/speedrun.md, "On a GPU").
-# CPUs always use im2col.
+# From this batch size up, a GPU runs XLA's own convolution (cuDNN's) instead of im2col. Training
+# the speedrun net on an H200 it was 9-38% faster at 512-1024 and 19-27% slower at 16; at 256 it
+# was 4.1% faster in bfloat16 and 1.2% slower in float32, at 128 7.3% faster and 3.5% slower
+# (docs/speedrun.md, "On a GPU"). CPUs always use im2col.
 GPU_CONV_MIN_BATCH = 256
 
 
