@@ -46,6 +46,8 @@ NEVER = 1 << 30
 
 
 class Attempt:
+    """The commands of one device call: a time budget and the results file they append to."""
+
     def __init__(self, out: Path, seconds: float):
         self.out, self.ends = out, time.monotonic() + seconds
         out.mkdir(parents=True, exist_ok=True)
