@@ -82,18 +82,21 @@ def fastest_to_target(docs: dict[str, dict]) -> str | None:
     return max(docs, key=lambda name: docs[name]["test_accuracy_mean"], default=None)
 
 
+def bfloat16_speedrun(flags: str, out: Path, *more: str) -> list[str]:
+    """The speedrun command for a recipe's flags, in bfloat16, its seeds' runs under `out`."""
+    return ["speedrun", *more, "--dtype", "bfloat16", *flags.split(), "--out", str(out)]
+
+
 def grid(attempt: Attempt, work: Path) -> None:
     """The first call: recipes on seed 10, the fastest to 94% on seeds 0-4, the convolutions' crossover."""
     docs = {}
     for name, flags in GRID.items():
-        doc = attempt.command(f"grid-{name}", ["speedrun", "--seed", "10", "--seeds", "1", "--dtype", "bfloat16",
-                                               *flags.split(), "--out", str(work / name)], 30)
+        doc = attempt.command(f"grid-{name}", bfloat16_speedrun(flags, work / name, "--seed", "10", "--seeds", "1"), 30)
         if doc is not None:
             docs[name] = doc
     best = fastest_to_target(docs)
     if best is not None:
-        attempt.command(f"seeds-0-4-{best}", ["speedrun", "--dtype", "bfloat16", *GRID[best].split(),
-                                              "--out", str(work / f"{best}-5")], 60)
+        attempt.command(f"seeds-0-4-{best}", bfloat16_speedrun(GRID[best], work / f"{best}-5"), 60)
         metrics = work / f"{best}-5" / "seed-0" / "metrics.jsonl"  # each chunk's speed: the warm-up's cost
         if metrics.exists():
             attempt.record(f"{metrics.relative_to(attempt.out)}", metrics.read_text())
@@ -110,11 +113,9 @@ def grid(attempt: Attempt, work: Path) -> None:
 def confirm(attempt: Attempt, work: Path) -> None:
     """The second call: the first call's fastest recipe on seeds 5-9, its neighbours on seeds 0-4,
     and the record's command unchanged (batch 16: im2col on every backend)."""
-    recipe = ["--dtype", "bfloat16", *GPU_RECIPE.split()]
-    attempt.command("seeds-5-9", ["speedrun", "--seed", "5", *recipe, "--out", str(work / "recipe-5-9")], 40)
+    attempt.command("seeds-5-9", bfloat16_speedrun(GPU_RECIPE, work / "recipe-5-9", "--seed", "5"), 40)
     for name, flags in NEIGHBOURS.items():
-        attempt.command(f"seeds-0-4-{name}", ["speedrun", "--dtype", "bfloat16", *flags.split(),
-                                              "--out", str(work / name)], 40)
+        attempt.command(f"seeds-0-4-{name}", bfloat16_speedrun(flags, work / name), 40)
     attempt.command("record-unchanged", ["speedrun", "--out", str(work / "record")], 90)
 
 

@@ -129,7 +129,6 @@ def test_gpu_check_script_stops_at_once_without_a_gpu(tmp_path):
     assert "no GPU visible" in json.loads(body)["error"]["message"]
 
 
-
 @pytest.mark.parametrize("phase", ["grid", "confirm"])
 def test_gpu_speedrun_attempt_stops_at_once_without_a_gpu(tmp_path, phase):
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_speedrun.py"
