@@ -139,7 +139,8 @@ class Workload:
     def fresh(self):
         model = models.get(self.config.model)
         optimizer = train.make_optimizer(self.config, 10**6)
-        state = train.initial_state(self.config, 10**6)  # config.seeds > 1: that many models, stacked
+        # config.seeds > 1: that many models, stacked
+        state = train.initial_state(self.config, 10**6, num_examples=int(self.images_u8.shape[0]))
         step = train.make_train_step(model, optimizer, train.compute_dtype(self.config.dtype), self.config.label_smoothing,
                                      train.frozen_paths(self.config))
         return distributed.replicate_tree(state, self.mesh), step
@@ -167,7 +168,7 @@ def fused_runner(work: Workload, steps: int):
     chunk_steps, count = plan.log_every, plan.perms_per_chunk
     key_data = distributed.put_replicated(plan.key_data("data"), work.mesh)
     epoch, perms = train.place_orders(key_data, 0, count, plan.num_examples, work.mesh)
-    keys = {purpose: distributed.put_replicated(data, work.mesh) for purpose, data in augment.augment_keys(plan).items()}
+    keys = {purpose: distributed.put_replicated(data, work.mesh) for purpose, data in train.chunk_keys(plan).items()}
     augment_fn = augment.make_augment(work.config)
     tic = time.perf_counter()
     compiled = train.compile_chunk(step_fn, chunk_steps, plan, work.mesh,

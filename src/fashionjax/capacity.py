@@ -21,10 +21,11 @@ from fashionjax.config import ConfigError, TrainConfig
 TRANSIENT_PARAM_COPIES = 2
 
 
-def member_bytes(config: TrainConfig, schedule_steps: int) -> int:
-    """Bytes one member needs: its parameters, its optimizer state, its gradients and its updates."""
+def member_bytes(config: TrainConfig, schedule_steps: int, num_examples: int | None = None) -> int:
+    """Bytes one member needs: its parameters, its optimizer state (with --focus, its state for
+    num_examples training images), its gradients and its updates."""
     single = dataclasses.replace(config, seeds=1, sweep=())
-    state = jax.eval_shape(lambda: train.initial_state(single, schedule_steps))
+    state = jax.eval_shape(lambda: train.initial_state(single, schedule_steps, num_examples=num_examples))
     params = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state.params))
     whole = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state))
     return int(whole + TRANSIENT_PARAM_COPIES * params)
@@ -43,11 +44,11 @@ def free_bytes(device) -> int | None:
     return None
 
 
-def check(config: TrainConfig, schedule_steps: int, data_bytes: int, device) -> dict:
+def check(config: TrainConfig, schedule_steps: int, data_bytes: int, device, num_examples: int | None = None) -> dict:
     """Refuse (ConfigError, naming the largest count that fits) a run whose members' state would not
     fit the device; returns the estimate otherwise."""
     members = config_lib.member_count(config)
-    per_member = member_bytes(config, schedule_steps)
+    per_member = member_bytes(config, schedule_steps, num_examples)
     free = free_bytes(device)
     estimate = {"members": members, "bytes_per_member": per_member, "bytes": members * per_member + data_bytes,
                 "free_bytes": free}

@@ -111,8 +111,14 @@ def latest_meta(checkpoint_dir: str | Path, note: Callable[[str], None] = lambda
         manager.close()
 
 
+def _saved_fields(state) -> dict:
+    """A TrainState as checkpoints hold it: its fields, less those a run does not use (None), which a
+    restore fills in again with their defaults; so runs without them keep their checkpoints' layout."""
+    return {name: value for name, value in state._asdict().items() if value is not None}
+
+
 def _state_args(template_state) -> dict:
-    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, template_state._asdict())
+    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, _saved_fields(template_state))
     return {"state": ocp.args.StandardRestore(abstract), "meta": ocp.args.JsonRestore()}
 
 
@@ -152,7 +158,7 @@ class Checkpointer:
         }
         try:
             self.manager.save(step, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state._asdict()), meta=ocp.args.JsonSave(meta)), force=True)
+                state=ocp.args.StandardSave(_saved_fields(state)), meta=ocp.args.JsonSave(meta)), force=True)
             self.manager.wait_until_finished()
         except Exception as err:  # orbax surfaces I/O faults as many types; name the step and the cause
             raise CheckpointError(f"checkpoint at step {step} could not be written: {_first_line(err)}") from err

@@ -53,6 +53,9 @@ class TrainConfig:
                         "training image (0: off)", 0)
     whiten: bool = _flag(f"{' and '.join(WHITENABLE)} only: fix the first convolution to whiten the 3x3-pixel "
                          "patches it reads, fitted to the training images (not trained)", False)
+    focus: float = _flag("after the first epoch, each pass reads only this fraction of the training images: those "
+                         "with the highest latest training loss, ranked afresh at each pass; --epochs still counts "
+                         "whole epochs' worth of steps (1: every image in every epoch)", 1.0)
     ema: float = _flag("evaluate a moving average of the weights, updated after each step with this decay "
                        "(0: off)", 0.0)
     label_smoothing: float = _flag("move this much of each target's probability to uniform", 0.0)
@@ -100,6 +103,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     _require(not config.whiten or config.model in WHITENABLE,
              f"--whiten fits the first layer of the {' and '.join(WHITENABLE)} models; it does not apply to "
              f"--model {config.model}")
+    _require(math.isfinite(config.focus) and 0 < config.focus <= 1, f"--focus must be in (0, 1], got {config.focus}")
     _require(math.isfinite(config.ema) and 0 <= config.ema < 1, f"--ema must be in [0, 1), got {config.ema}")
     _require(0 <= config.max_shift <= 4, f"--max-shift must be between 0 and 4 pixels, got {config.max_shift}")
     _require(0 <= config.tta_shift <= 4, f"--tta-shift must be between 0 and 4 pixels, got {config.tta_shift}")
@@ -182,7 +186,7 @@ def codelab() -> TrainConfig:
 # length is checked through the plan; cadences (log_every, checkpoint_every, keep) may change.
 TRAJECTORY_FIELDS = ("model", "batch_size", "optimizer", "lr", "schedule", "warmup_steps", "weight_decay",
                      "momentum", "muon_scale", "nesterov", "clip_norm", "dtype", "augment", "max_shift",
-                     "alternate_flips", "cutout", "whiten", "ema", "label_smoothing", "seed", "seeds", "sweep")
+                     "alternate_flips", "cutout", "whiten", "focus", "ema", "label_smoothing", "seed", "seeds", "sweep")
 
 
 def differences(saved: dict, wanted: dict, names) -> list[str]:

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from fashionjax import config as config_lib
+from fashionjax import focus
 from fashionjax.config import ConfigError, TrainConfig
 
 # The purposes the root key is split into, in order: one split, independent streams. New purposes
@@ -42,6 +43,7 @@ class Plan:
     seed: int
     members: int = 1  # models trained together (member_seeds), each with its own keys
     seeds: int = 1  # seeds per point of a sweep: member i has seed + i % seeds
+    focus_steps: int = 0  # steps of each --focus pass after the first epoch (0: every epoch reads every image)
 
     def member_seeds(self) -> list[int]:
         return [self.seed + i % self.seeds for i in range(self.members)]
@@ -90,6 +92,7 @@ def resolve(config: TrainConfig, num_examples: int, device_count: int = 1,
         seed=config.seed,
         members=config_lib.member_count(config),
         seeds=config.seeds,
+        focus_steps=focus.pass_steps(steps_per_epoch, config.focus) if config.focus < 1 else 0,
     )
 
 

@@ -89,7 +89,7 @@ def train(config: TrainConfig, plan: Plan, dataset: data.Dataset, run_dir: RunDi
     try:
         start = None
         if resume:
-            template = train_lib.initial_state(config, plan.schedule_steps)
+            template = train_lib.initial_state(config, plan.schedule_steps, num_examples=plan.num_examples)
             step, state, meta = checkpointer.restore_latest(template, hooks.on_note)
             checkpoint.check_resume(meta, config, plan)
             if is_writer():  # log points past the checkpoint will be run (and logged) again
@@ -253,8 +253,9 @@ def load_trained(run_dir: str | Path, note=lambda message: None) -> Trained:
     run_dir = Path(run_dir)
     if not (run_dir / "config.json").is_file():
         raise config_lib.ConfigError(f"{run_dir}: not a run directory (no config.json)")
-    config = TrainConfig(**artifacts.read_json(run_dir / "config.json")["config"])
-    template = train_lib.initial_state(config, 1)
+    document = artifacts.read_json(run_dir / "config.json")
+    config = TrainConfig(**document["config"])
+    template = train_lib.initial_state(config, 1, num_examples=document.get("plan", {}).get("num_examples"))
     step, state, _ = checkpoint.read_latest(run_dir / "checkpoints", template, note)
     return Trained(run_dir, config, step, train_lib.evaluated_params(config, state))
 

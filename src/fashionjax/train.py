@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fashionjax import artifacts, distributed, models
+from fashionjax import artifacts, distributed, focus, models
 from fashionjax import config as config_lib
 from fashionjax import plan as plan_lib
 from fashionjax.augment import augment_keys, make_augment
@@ -32,6 +32,7 @@ class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: steps taken so far
     params: Any
     opt_state: Any
+    focus: dict | None = None  # --focus: each training image's latest loss and the current pass's order
 
 
 class Diverged(RuntimeError):
@@ -178,15 +179,16 @@ def cross_entropy(logits, labels, label_smoothing: float = 0.0):
 
 
 def loss_and_accuracy(params, images_u8, labels, model: models.Model, dtype, label_smoothing: float = 0.0):
-    """(mean loss, {"accuracy", "stats"}): stats are a batch-normed model's updated running statistics."""
+    """(mean loss, {"accuracy", "stats", "losses"}): stats are a batch-normed model's updated running
+    statistics, losses each example's own."""
     images = scale_images(images_u8)
     if model.apply_train is None:
         logits, stats = model.apply(params, images, dtype), None  # (batch, 10) float32
     else:
         logits, stats = model.apply_train(params, images, dtype)
-    loss = cross_entropy(logits, labels, label_smoothing).mean()
+    losses = cross_entropy(logits, labels, label_smoothing)
     accuracy = jnp.mean(jnp.argmax(logits, axis=-1) == labels)
-    return loss, {"accuracy": accuracy, "stats": stats}
+    return losses.mean(), {"accuracy": accuracy, "stats": stats, "losses": losses}
 
 
 def frozen_paths(config: TrainConfig) -> tuple[tuple[str, ...], ...]:
@@ -203,32 +205,38 @@ def without_gradient(params: dict, frozen: tuple[tuple[str, ...], ...]) -> dict:
 
 def make_train_step(model: models.Model, optimizer: optax.GradientTransformation, dtype,
                     label_smoothing: float = 0.0, frozen: tuple[tuple[str, ...], ...] = ()) -> Callable:
-    """train_step(state, images_u8, labels) -> (state, metrics); pure, metrics stay on the device.
-    No gradient is taken for the leaves at the `frozen` paths (their grad_norm share is zero)."""
+    """train_step(state, images_u8, labels, indices=None) -> (state, metrics); pure, metrics stay on the
+    device. No gradient is taken for the leaves at the `frozen` paths (their grad_norm share is zero).
+    A state with --focus records each example's loss at its index in the training set."""
     def loss_fn(params, images_u8, labels):
         return loss_and_accuracy(without_gradient(params, frozen), images_u8, labels, model, dtype, label_smoothing)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def train_step(state: TrainState, images_u8, labels):
+    def train_step(state: TrainState, images_u8, labels, indices=None):
         (loss, aux), grads = grad_fn(state.params, images_u8, labels)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         if aux["stats"] is not None:
             params = {**params, "stats": aux["stats"]}
+        focus_state = state.focus
+        if focus_state is not None:
+            focus_state = focus.record(focus_state, indices, aux["losses"])
         metrics = {"loss": loss, "accuracy": aux["accuracy"], "grad_norm": optax.tree.norm(grads)}
-        return TrainState(state.step + 1, params, opt_state), metrics
+        return TrainState(state.step + 1, params, opt_state, focus_state), metrics
 
     return train_step
 
 
-def init_state(model: models.Model, optimizer, seed: int, whiten=None) -> TrainState:
+def init_state(model: models.Model, optimizer, seed: int, whiten=None, focus_examples: int = 0) -> TrainState:
     """The fresh state of a run: parameters from the seed's init stream (then passed through whiten,
-    which sets a layer fitted to the data, when given), step 0."""
+    which sets a layer fitted to the data, when given), step 0; with focus_examples, --focus's state
+    for a training set of that many images."""
     params = model.init(root_keys(seed)["init"])
     if whiten is not None:
         params = whiten(params)
-    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params))
+    focus_state = focus.initial(focus_examples) if focus_examples else None
+    return TrainState(jnp.zeros((), jnp.int32), params, optimizer.init(params), focus_state)
 
 
 def fitted_whitening(config: TrainConfig, train_images_u8) -> Callable[[dict], dict] | None:
@@ -238,19 +246,23 @@ def fitted_whitening(config: TrainConfig, train_images_u8) -> Callable[[dict], d
 
 
 def initial_state(config: TrainConfig, schedule_steps: int, train_images_u8=None,
-                  whiten: Callable[[dict], dict] | None = None) -> TrainState:
+                  whiten: Callable[[dict], dict] | None = None, num_examples: int | None = None) -> TrainState:
     """The fresh state of a run, or of all its members stacked on a leading axis: member i is the
     state of the single run of member_configs(config)[i] (its seed, its swept values).
 
     With --whiten the training images fit the first layer (or `whiten`, a fit from fitted_whitening,
-    sets it); without either the state is a template (the shapes a checkpoint restores into).
+    sets it); without either the state is a template (the shapes a checkpoint restores into). With
+    --focus the state holds one loss per training image: num_examples of them (default: the images given).
     """
     model = models.get(config.model)
     if whiten is None and train_images_u8 is not None:
         whiten = fitted_whitening(config, train_images_u8)
+    focus_examples = 0
+    if config.focus < 1:
+        focus_examples = num_examples if num_examples is not None else len(train_images_u8)
     # Each member's optimizer state starts from its own swept values: one optimizer then serves all.
     states = [init_state(model, make_optimizer(dataclasses.replace(member, sweep=config.sweep), schedule_steps),
-                         member.seed, whiten) for member in config_lib.member_configs(config)]
+                         member.seed, whiten, focus_examples) for member in config_lib.member_configs(config)]
     return stack(states) if len(states) > 1 else states[0]
 
 
@@ -304,14 +316,20 @@ def make_chunk(train_step: Callable, num_steps: int, plan: Plan, mesh, augment: 
     def run_chunk(state: TrainState, perms, first_epoch, images_u8, labels, keys):
         def body(state, _):
             epoch = state.step // steps_per_epoch
-            offset = (state.step % steps_per_epoch) * batch_size
             order = perms[epoch - first_epoch]
-            indices = jax.lax.dynamic_slice(order, (offset,), (batch_size,))
+            if plan.focus_steps:
+                focus_state, indices = focus.batch_indices(state.focus, state.step, order, steps_per_epoch,
+                                                           plan.focus_steps, batch_size,
+                                                           jax.random.wrap_key_data(keys["data"]))
+                state = state._replace(focus=focus_state)
+            else:
+                offset = (state.step % steps_per_epoch) * batch_size
+                indices = jax.lax.dynamic_slice(order, (offset,), (batch_size,))
             batch_images = jax.lax.with_sharding_constraint(images_u8[indices], batch_sharding)  # (B, 784)
             batch_labels = jax.lax.with_sharding_constraint(labels[indices], batch_sharding)
             if augment is not None:
                 batch_images = augment(state.step, batch_images, indices, keys, steps_per_epoch)
-            return train_step(state, batch_images, batch_labels)
+            return train_step(state, batch_images, batch_labels, indices)
 
         return jax.lax.scan(body, state, None, length=num_steps)
 
@@ -327,6 +345,11 @@ def make_chunk(train_step: Callable, num_steps: int, plan: Plan, mesh, augment: 
                            (state, perms, keys))
 
     return run_members
+
+
+def chunk_keys(plan: Plan) -> dict[str, np.ndarray]:
+    """The raw key data a compiled chunk reads: augmentation's streams, and the data stream (--focus's passes)."""
+    return {**augment_keys(plan), "data": plan.key_data("data")}
 
 
 def compiler_options() -> dict:
@@ -424,7 +447,8 @@ def fit(
         tic = time.perf_counter()
         whiten = fitted_whitening(config, train_images_u8)  # fitting to the training images is training
         fitting_seconds = time.perf_counter() - tic  # initializing the parameters is not
-        start = initial_state(config, plan.schedule_steps, whiten=whiten), TrainStats(train_seconds=fitting_seconds)
+        start = (initial_state(config, plan.schedule_steps, whiten=whiten, num_examples=plan.num_examples),
+                 TrainStats(train_seconds=fitting_seconds))
     state, stats = start
     stats = dataclasses.replace(stats)  # a copy: the caller's figures stay as they were
     wall_before = stats.wall_seconds
@@ -434,7 +458,7 @@ def fit(
     key_data = distributed.put_replicated(plan.key_data("data"), mesh)
     images_u8 = distributed.put_replicated(train_images_u8.reshape(plan.num_examples, -1), mesh)  # (N, 784) uint8
     labels = distributed.put_replicated(train_labels.astype(np.int32), mesh)
-    keys = {purpose: distributed.put_replicated(data, mesh) for purpose, data in augment_keys(plan).items()}
+    keys = {purpose: distributed.put_replicated(data, mesh) for purpose, data in chunk_keys(plan).items()}
 
     step = int(np.ravel(distributed.fetch(state.step))[0])  # deliberate sync: once, before the loop
     healthy = finite_members(state.params, plan.members)  # a member diverged before a resume stays so

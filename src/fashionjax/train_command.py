@@ -109,7 +109,7 @@ def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, target) 
             checkpoint.check_length(config, plan, meta)
         if plan.members > 1:  # before anything compiles: do N models' states fit?
             train_data = dataset.train.images_u8.nbytes + dataset.train.labels.nbytes
-            capacity.check(config, plan.schedule_steps, train_data, mesh.devices.flat[0])
+            capacity.check(config, plan.schedule_steps, train_data, mesh.devices.flat[0], plan.num_examples)
         if owned is not None and args.overwrite:
             owned.clear()  # only now: every flag is valid and the data is here
         progress = console.Progress(out, plan.total_steps)
