@@ -11,10 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import small_speedrun_cli
 
-from fashionjax import artifacts
+from fashionjax import artifacts, checkpoint, config, train
 
 pytestmark = pytest.mark.multiprocess
 
@@ -169,3 +170,27 @@ def test_batch_norm_over_four_devices_matches_one(real_dataset, tmp_path):
     one_summary, four_summary = completed(one), completed(four)
     assert_close(losses(tmp_path / "run4"), losses(tmp_path / "run1"), rel=1e-5)
     assert four_summary["test_accuracy"] == pytest.approx(one_summary["test_accuracy"], abs=5e-4)
+
+
+def focus_losses(run_dir: Path) -> np.ndarray:
+    """The per-image training losses a --focus run's newest checkpoint holds."""
+    document = artifacts.read_json(run_dir / "config.json")
+    template = train.initial_state(config.TrainConfig(**document["config"]), 1,
+                                   num_examples=document["plan"]["num_examples"])
+    return np.asarray(checkpoint.read_latest(run_dir / "checkpoints", template)[1].focus["losses"])
+
+
+def test_focus_records_each_images_loss_from_the_sharded_batch(real_dataset, tmp_path):
+    """Each device's shard of the batch writes its images' losses into the replicated table: after the
+    first epoch four devices hold the very images one device holds, with the same losses to float
+    tolerance; the focused passes after it train on four devices too."""
+    flags = ("--focus", "0.5", "--batch-size", "2048", "--log-every", "29", "--schedule", "cosine")  # after RUN's
+    for process in [train_process(tmp_path / f"epoch{n}", n, *flags, "--steps", "29") for n in (1, 4)]:  # one epoch
+        completed(process)
+    one, four = focus_losses(tmp_path / "epoch1"), focus_losses(tmp_path / "epoch4")
+    seen = np.isfinite(one)
+    assert seen.sum() == 29 * 2048 and (np.isfinite(four) == seen).all()  # the epoch's 608 left-over images: unseen
+    np.testing.assert_allclose(four[seen], one[seen], rtol=1e-3, atol=1e-5)
+    longer = completed(train_process(tmp_path / "passes", 4, *flags, "--steps", "58"))
+    assert longer["test_accuracy"] > 0.8
+    assert np.isfinite(focus_losses(tmp_path / "passes")).all()  # the first pass took the unseen images first
