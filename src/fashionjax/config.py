@@ -31,7 +31,8 @@ def _flag(help_text: str, default=None, **extra):
 @dataclass(frozen=True)
 class TrainConfig:
     model: str = _flag(f"one of {', '.join(MODELS)}", "mlp", choices=MODELS)
-    epochs: int | None = _flag("passes over the training set (with --focus: that many epochs' steps)", 10, group="length")  # used when steps is None
+    epochs: int | None = _flag("passes over the training set (with --focus: that many epochs' steps)", 10,
+                               group="length")  # used when steps is None
     steps: int | None = _flag("optimizer steps (instead of --epochs)", None, group="length")
     batch_size: int = _flag("global batch size (split over the devices)", 512)
     optimizer: str = _flag(f"one of {', '.join(OPTIMIZERS)}", "adamw", choices=OPTIMIZERS)
