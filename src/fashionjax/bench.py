@@ -166,9 +166,8 @@ def fused_runner(work: Workload, steps: int):
     state, step_fn = work.fresh()
     plan = work.plan(min(CODELAB_LOG_EVERY, steps))
     chunk_steps, count = plan.log_every, plan.perms_per_chunk
-    key_data = distributed.put_replicated(plan.key_data("data"), work.mesh)
-    epoch, perms = train.place_orders(key_data, 0, count, plan.num_examples, work.mesh)
     keys = {purpose: distributed.put_replicated(data, work.mesh) for purpose, data in train.chunk_keys(plan).items()}
+    epoch, perms = train.place_orders(keys["data"], 0, count, plan.num_examples, work.mesh)
     augment_fn = augment.make_augment(work.config)
     tic = time.perf_counter()
     compiled = train.compile_chunk(step_fn, chunk_steps, plan, work.mesh,

@@ -348,7 +348,8 @@ def make_chunk(train_step: Callable, num_steps: int, plan: Plan, mesh, augment: 
 
 
 def chunk_keys(plan: Plan) -> dict[str, np.ndarray]:
-    """The raw key data a compiled chunk reads: augmentation's streams, and the data stream (--focus's passes)."""
+    """The raw key data a compiled chunk reads: augmentation's streams, and the data stream (the epochs'
+    orders are made from it, and --focus's passes)."""
     return {**augment_keys(plan), "data": plan.key_data("data")}
 
 
@@ -455,7 +456,6 @@ def fit(
     chunks_run = 0  # in this process lifetime: its first chunk is the warm-up
 
     state = distributed.replicate_tree(state, mesh)
-    key_data = distributed.put_replicated(plan.key_data("data"), mesh)
     images_u8 = distributed.put_replicated(train_images_u8.reshape(plan.num_examples, -1), mesh)  # (N, 784) uint8
     labels = distributed.put_replicated(train_labels.astype(np.int32), mesh)
     keys = {purpose: distributed.put_replicated(data, mesh) for purpose, data in chunk_keys(plan).items()}
@@ -472,7 +472,7 @@ def fit(
         first_epoch = step // plan.steps_per_epoch
         with jax.transfer_guard("disallow"):  # the hot path: any implicit host<->device copy is a bug
             if perms_epoch != first_epoch:  # once an epoch, not once a chunk
-                epoch_index, perms = place_orders(key_data, first_epoch, plan.perms_per_chunk, plan.num_examples,
+                epoch_index, perms = place_orders(keys["data"], first_epoch, plan.perms_per_chunk, plan.num_examples,
                                                   mesh)
                 perms_epoch = first_epoch
             args = (state, perms, epoch_index, images_u8, labels, keys)
