@@ -151,3 +151,11 @@ def test_speeds_are_cut_to_whole_numbers_never_rounded_up():
     from fashionjax.figures import rate
 
     assert rate(959.99) == "959" and rate(1008.064) == "1,008" and rate(170402.0) == "170,402" and rate(0.4) == "0"
+
+
+def test_seconds_and_flops_are_cut_never_rounded_up():
+    from fashionjax.figures import number
+
+    assert number(137.2628, 1) == "137.2" and number(6.36902784, 2) == "6.36"  # were printed 137.3 and 6.37
+    assert number(1106.35, 1) == "1,106.3" and number(0.04, 1) == "0.0" and number(2.5, 0) == "2"
+    assert number(-0.27, 1) == "-0.2"  # toward zero, as a cut digit is

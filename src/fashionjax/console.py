@@ -273,7 +273,8 @@ def show_speedrun(out: Output, document: dict) -> None:
     tta = document["tta"]
     rows = [(row["seed"], figures.percent(row["test_accuracy"]),
              *([figures.percent(row["test_accuracy_no_tta"])] if tta else []),
-             f"{row['train_seconds']:.1f}", f"{row['compile_seconds']:.1f}", "yes" if row["reached_target"] else "no")
+             figures.number(row["train_seconds"], 1), figures.number(row["compile_seconds"], 1),
+             "yes" if row["reached_target"] else "no")
             for row in document["per_seed"]]
     columns = ["seed", "test accuracy", *(["without TTA"] if tta else []), "train s", "compile s", "reached"]
     out.show(table(f"speedrun: {document['model']}", columns, rows))
@@ -283,7 +284,8 @@ def show_speedrun(out: Output, document: dict) -> None:
              f"seeds {', '.join(map(str, document['seeds']))}" + (
                  f" ({figures.tta_name(document)}; {figures.percent(document['test_accuracy_no_tta_mean'])} ± "
                  f"{figures.points(document['test_accuracy_no_tta_std'])} without)" if tta else ""))
-    out.show(f"{100 * document['reached_fraction']:.0f}% of seeds reached {target}; median training time to it: "
-             + ("not reached by half the seeds" if median is None else f"{median:.1f} s")
-             + f"; {document['train_flops_per_run'] / 1e12:.2f} TFLOP of training per run; {document['cpu_model']}")
+    out.show(f"{figures.percent(document['reached_fraction'], 0)} of seeds reached {target}; median training time "
+             "to it: " + ("not reached by half the seeds" if median is None else f"{figures.number(median, 1)} s")
+             + f"; {figures.number(document['train_flops_per_run'] / 1e12, 2)} TFLOP of training per run; "
+             f"{document['cpu_model']}")
     out.show(f"speedrun.json and page: {document['page']}")

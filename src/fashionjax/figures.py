@@ -32,4 +32,10 @@ def tta_name(document: dict) -> str:
 
 def rate(value: float) -> str:
     """A speed (examples or tokens a second) as a whole number cut: 959.99 -> '959'."""
-    return f"{int(_cut(value, 0)):,}"
+    return number(value)
+
+
+def number(value: float, digits: int = 0) -> str:
+    """A measured quantity (seconds, TFLOP, a speed) with thousands separators, cut toward zero to
+    `digits` decimals: 137.2628 s -> '137.2', where rounding would print 137.3."""
+    return f"{math.copysign(_cut(abs(value), digits), value):,.{digits}f}"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import jinja2
 
-from fashionjax import artifacts
+from fashionjax import artifacts, figures
 from fashionjax.figures import percent, points, tta_name
 
 # Published reference points (Fashion-MNIST benchmark, zalandoresearch/fashion-mnist README and
@@ -117,9 +117,7 @@ def _pct(value) -> str:
 
 
 def _num(value, digits: int = 0) -> str:
-    if value is None:
-        return "n/a"
-    return f"{value:,.{digits}f}"
+    return "n/a" if value is None else figures.number(value, digits)
 
 
 def _template(name: str):
