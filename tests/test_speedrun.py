@@ -198,6 +198,17 @@ def test_shift_tta_scores_a_real_model_from_its_eighteen_views(small_dataset):
         config.validate(dataclasses.replace(config.TrainConfig(), tta=True, tta_shift=5))
 
 
+def test_no_tta_turns_off_the_recipes_shifted_views_too():
+    from fashionjax.train_command import fresh_config
+
+    assert config.default("speedrun").tta_shift == 1
+    plain = config.validate(fresh_config({"model": "speedrun", "tta": False}))  # no error: the shifts go with TTA
+    assert (plain.tta, plain.tta_shift) == (False, 0)
+    assert fresh_config({"model": "deep", "tta": False}).tta_shift == 0
+    with pytest.raises(config.ConfigError, match="add --tta"):  # both said at once: still a contradiction
+        config.validate(fresh_config({"model": "speedrun", "tta": False, "tta_shift": 2}))
+
+
 def test_speedrun_training_is_deterministic_and_learns(small_dataset):
     run = lambda cfg: train.fit(cfg, small_dataset.train.images_u8, small_dataset.train.labels)  # noqa: E731
     first, second = run(TINY), run(TINY)
