@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fashionjax import cli, config, focus, plan, train
+from fashionjax import augment, cli, config, distributed, focus, models, plan, train
 
 KEY = jax.random.key(7)
 
@@ -99,3 +99,35 @@ def test_members_with_focus_are_their_single_runs(small_dataset, small_speedrun)
     for member, state in enumerate(train.unstack(together.state, 2)):
         single = train.fit(dataclasses.replace(TINY, seed=member), images, labels)
         assert train.params_digest(state.params) == train.params_digest(single.state.params)
+
+
+def members_chunk(config, images, labels, together: bool):
+    """A compiled-chunk function over the first epoch and the first pass, for config's members stepped
+    together (vmapped, as on an accelerator) or one after another (as on a CPU), and its arguments."""
+    mesh = distributed.make_mesh("all")
+    resolved = plan.resolve(config, len(labels))
+    step = train.make_train_step(models.get(config.model), train.make_optimizer(config, resolved.schedule_steps),
+                                 jnp.float32, config.label_smoothing, train.frozen_paths(config))
+    keys = {purpose: jnp.asarray(data) for purpose, data in train.chunk_keys(resolved).items()}
+    epoch, perms = train.place_orders(keys["data"], 0, resolved.perms_per_chunk, resolved.num_examples, mesh)
+    chunk = train.make_chunk(step, resolved.steps_per_epoch + resolved.focus_steps, resolved, mesh,
+                             augment.make_augment(config), members_together=together)
+    state = train.initial_state(config, resolved.schedule_steps, images)
+    return chunk, (state, perms, epoch, jnp.asarray(images.reshape(len(labels), -1)), jnp.asarray(labels), keys)
+
+
+def test_members_stepped_together_rank_once_a_pass_and_train_as_one_after_another(small_dataset, small_speedrun):
+    images, labels = small_dataset.train.images_u8, small_dataset.train.labels.astype(np.int32)
+    config = dataclasses.replace(TINY, seeds=2)
+    together, args = members_chunk(config, images, labels, together=True)
+    # The ranking is a branch taken at a pass's start: members share the step, so vmap keeps the
+    # lax.cond (a per-member predicate would make it a select, both branches at every step).
+    assert "cond[" in str(jax.make_jaxpr(together)(*args))
+    state, metrics = jax.jit(together)(*args)
+    alone, alone_args = members_chunk(config, images, labels, together=False)
+    expected_state, expected_metrics = jax.jit(alone)(*alone_args)
+    assert metrics["loss"].shape == expected_metrics["loss"].shape == (2, 24)  # (members, steps)
+    np.testing.assert_allclose(metrics["loss"], expected_metrics["loss"], rtol=1e-4)
+    np.testing.assert_array_equal(state.focus["order"], expected_state.focus["order"])  # the same pass read
+    for leaf, expected in zip(jax.tree.leaves(state.params), jax.tree.leaves(expected_state.params), strict=True):
+        np.testing.assert_allclose(leaf, expected, rtol=1e-3, atol=1e-5)

@@ -304,39 +304,56 @@ def place_orders(key_data, first_epoch: int, count: int, num_examples: int, mesh
     return epoch_index, _placed_permutations(mesh, key_data.ndim == 2)(key_data, epoch_index, count, num_examples)
 
 
-def make_chunk(train_step: Callable, num_steps: int, plan: Plan, mesh, augment: Callable | None = None):
+def make_chunk(train_step: Callable, num_steps: int, plan: Plan, mesh, augment: Callable | None = None,
+               members_together: bool | None = None):
     """run_chunk(state, perms, first_epoch, images_u8, labels, keys) -> (state, metrics of every step).
 
-    For several members the chunk is vmapped: state, perms and keys carry a leading member axis,
-    the images and labels are shared.
+    For several members state, perms and keys carry a leading member axis, the images and labels are
+    shared, and the metrics are (members, steps). On an accelerator (members_together, by default
+    off a CPU) the members' steps are vmapped into one, so that their small matmuls batch into large
+    ones; on a CPU they run one after another.
     """
     batch_sharding = distributed.batch_sharded(mesh)
     steps_per_epoch, batch_size = plan.steps_per_epoch, plan.batch_size
 
+    def one_step(state: TrainState, step, perms, first_epoch, images_u8, labels, keys):
+        """A training step; `step` is state.step, passed apart: members step together, so under their
+        vmap it stays one number, and what depends only on it (the epoch's order, --focus's ranking
+        at a pass's start: a lax.cond, which a batched predicate would turn into both branches at
+        every step) is computed once for all of them."""
+        order = perms[step // steps_per_epoch - first_epoch]
+        if plan.focus_steps:
+            focus_state, indices = focus.batch_indices(state.focus, step, order, steps_per_epoch, plan.focus_steps,
+                                                       batch_size, jax.random.wrap_key_data(keys["data"]))
+            state = state._replace(focus=focus_state)
+        else:
+            indices = jax.lax.dynamic_slice(order, ((step % steps_per_epoch) * batch_size,), (batch_size,))
+        batch_images = jax.lax.with_sharding_constraint(images_u8[indices], batch_sharding)  # (B, 784)
+        batch_labels = jax.lax.with_sharding_constraint(labels[indices], batch_sharding)
+        if augment is not None:
+            batch_images = augment(step, batch_images, indices, keys, steps_per_epoch)
+        return train_step(state, batch_images, batch_labels, indices)
+
     def run_chunk(state: TrainState, perms, first_epoch, images_u8, labels, keys):
         def body(state, _):
-            epoch = state.step // steps_per_epoch
-            order = perms[epoch - first_epoch]
-            if plan.focus_steps:
-                focus_state, indices = focus.batch_indices(state.focus, state.step, order, steps_per_epoch,
-                                                           plan.focus_steps, batch_size,
-                                                           jax.random.wrap_key_data(keys["data"]))
-                state = state._replace(focus=focus_state)
-            else:
-                offset = (state.step % steps_per_epoch) * batch_size
-                indices = jax.lax.dynamic_slice(order, (offset,), (batch_size,))
-            batch_images = jax.lax.with_sharding_constraint(images_u8[indices], batch_sharding)  # (B, 784)
-            batch_labels = jax.lax.with_sharding_constraint(labels[indices], batch_sharding)
-            if augment is not None:
-                batch_images = augment(state.step, batch_images, indices, keys, steps_per_epoch)
-            return train_step(state, batch_images, batch_labels, indices)
+            return one_step(state, state.step, perms, first_epoch, images_u8, labels, keys)
 
         return jax.lax.scan(body, state, None, length=num_steps)
 
     if plan.members == 1:
         return run_chunk
-    if jax.default_backend() != "cpu":  # an accelerator: the members' small matmuls batched into large ones
-        return jax.vmap(run_chunk, in_axes=(0, 0, None, None, None, 0))
+    if members_together is None:
+        members_together = jax.default_backend() != "cpu"
+    if members_together:
+        def run_together(state, perms, first_epoch, images_u8, labels, keys):
+            def body(state, _):
+                return jax.vmap(one_step, in_axes=(0, None, 0, None, None, None, 0))(
+                    state, state.step[0], perms, first_epoch, images_u8, labels, keys)
+
+            state, metrics = jax.lax.scan(body, state, None, length=num_steps)
+            return state, jax.tree.map(lambda metric: jnp.moveaxis(metric, 0, 1), metrics)  # (members, steps)
+
+        return run_together
 
     # A CPU's matmuls are compute-bound already: the members run one after another inside the program,
     # each exactly the single run's computation (measured: vmap cost up to 5% per model at 8 members).
