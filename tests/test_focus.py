@@ -102,7 +102,7 @@ def test_members_with_focus_are_their_single_runs(small_dataset, small_speedrun)
 
 
 def members_chunk(config, images, labels, together: bool):
-    """A compiled-chunk function over the first epoch and the first pass, for config's members stepped
+    """The chunk function over the first epoch and the first pass, for config's members stepped
     together (vmapped, as on an accelerator) or one after another (as on a CPU), and its arguments."""
     mesh = distributed.make_mesh("all")
     resolved = plan.resolve(config, len(labels))
