@@ -158,9 +158,9 @@ def show_summary(out: Output, summary: dict, run_dir: Path) -> None:
         ("test loss", f"{summary['test_loss']:.4f}"),
         ("final train loss", f"{summary['final_train_loss']:.4f}"),
         ("examples/sec (steady)", "n/a (one chunk)" if rate is None else figures.rate(rate)),
-        ("compile seconds", f"{summary['compile_seconds']:.2f}"),
-        ("train seconds", f"{summary['train_seconds']:.2f}"),
-        ("wall seconds", f"{summary['wall_seconds']:.2f}"),
+        ("compile seconds", figures.number(summary["compile_seconds"], 2)),
+        ("train seconds", figures.number(summary["train_seconds"], 2)),
+        ("wall seconds", figures.number(summary["wall_seconds"], 2)),
         ("devices", f"{summary['device_count']} x {summary['device_kind']} ({summary['backend']})"),
         ("params digest", summary["params_digest"][:16]),
         ("run directory", str(run_dir)),
@@ -217,12 +217,12 @@ class Progress:
         return self
 
     def update(self, record: dict) -> None:
-        text = (f"epoch {record['epoch']:.2f} loss {record['loss']:.4f} accuracy {100 * record['accuracy']:.1f}% "
+        text = (f"epoch {record['epoch']:.2f} loss {record['loss']:.4f} accuracy {figures.percent(record['accuracy'], 1)} "
                 f"{figures.rate(record['examples_per_sec'])} examples/sec")
         if self.bar:
             self.bar.update(self.task, completed=record["step"], description=text)
         elif self.lines:
-            self.out.error(f"step {record['step']}/{self.total} {text} {record['elapsed_s']:.1f}s")
+            self.out.error(f"step {record['step']}/{self.total} {text} {figures.number(record['elapsed_s'], 1)}s")
 
     def close(self) -> None:
         if self.bar:
@@ -243,8 +243,8 @@ def show_bench(out: Output, document: dict) -> None:
         bar = "█" * max(1, round(30 * rate["median"] / best))
         mfu = "n/a" if c["mfu"] is None else figures.percent(c["mfu"], 1)
         rows.append((c["mode"], c["dtype"], c["batch_size"], figures.rate(rate['median']),
-                     f"{figures.rate(rate['min'])}-{figures.rate(rate['max'])}", f"{c['compile_seconds']:.2f}",
-                     f"{c['final_loss']:.4f}", f"{100 * c['final_accuracy']:.1f}%", mfu,
+                     f"{figures.rate(rate['min'])}-{figures.rate(rate['max'])}", figures.number(c["compile_seconds"], 2),
+                     f"{c['final_loss']:.4f}", figures.percent(c["final_accuracy"], 1), mfu,
                      figures.rate(c['tokens_per_sec']), bar))
     out.show(table(f"{document['model']} training throughput (peak: {document['peak']['source']})",
                     ["mode", "dtype", "batch", "ex/s median", "min-max", "compile s", "loss", "batch acc",
@@ -263,7 +263,7 @@ def show_bench(out: Output, document: dict) -> None:
                        [(row["members"], figures.rate(row['model_examples_per_sec']['median']),
                          f"{figures.rate(row['model_examples_per_sec']['min'])}-{figures.rate(row['model_examples_per_sec']['max'])}",
                          "n/a" if row["speedup_over_separate"] is None else f"{row['speedup_over_separate']:.2f}x",
-                         f"{row['compile_seconds']:.2f}", f"{row['final_loss']:.4f}")
+                         figures.number(row["compile_seconds"], 2), f"{row['final_loss']:.4f}")
                         for row in document["models_at_once"]]))
     for note in document["notes"]:
         out.show(f"note: {note}")
