@@ -278,9 +278,12 @@ def test_shift_tta_is_named_beside_every_figure_it_scored(tmp_path, synthetic_cl
     report = json.loads(capsys.readouterr().out)
     assert (report["tta_shift"], report["accuracy"]) == (1, summary["test_accuracy"])
     assert cli.main(["speedrun", "--seeds", "1", *flags, "--out", str(tmp_path / "record")]) == 0
-    assert "(flip and 1-pixel shift TTA;" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "(flip and 1-pixel shift TTA;" in printed
     assert json.loads((tmp_path / "record" / "speedrun.json").read_text())["tta_shift"] == 1
-    assert "with flip and 1-pixel shift TTA;" in (tmp_path / "record" / "speedrun.html").read_text()
+    page = (tmp_path / "record" / "speedrun.html").read_text()
+    assert "with flip and 1-pixel shift TTA;" in page
+    assert "±" not in printed and "&plusmn;" not in page  # one seed: no spread to show, not a spread of 0.00
 
 
 def test_speedrun_refuses_a_folder_finished_with_other_settings(tmp_path, synthetic_cli, capsys, small_speedrun):

@@ -280,10 +280,13 @@ def show_speedrun(out: Output, document: dict) -> None:
     out.show(table(f"speedrun: {document['model']}", columns, rows))
     median = document["median_seconds_to_target"]
     target = figures.percent(document["target"])
-    out.show(f"mean {figures.percent(document['test_accuracy_mean'])} ± {figures.points(document['test_accuracy_std'])} over "
+    def spread(std: float) -> str:  # one seed has none to show
+        return f" ± {figures.points(std)}" if len(document["seeds"]) > 1 else ""
+
+    out.show(f"mean {figures.percent(document['test_accuracy_mean'])}{spread(document['test_accuracy_std'])} over "
              f"seeds {', '.join(map(str, document['seeds']))}" + (
-                 f" ({figures.tta_name(document)}; {figures.percent(document['test_accuracy_no_tta_mean'])} ± "
-                 f"{figures.points(document['test_accuracy_no_tta_std'])} without)" if tta else ""))
+                 f" ({figures.tta_name(document)}; {figures.percent(document['test_accuracy_no_tta_mean'])}"
+                 f"{spread(document['test_accuracy_no_tta_std'])} without)" if tta else ""))
     out.show(f"{figures.percent(document['reached_fraction'], 0)} of seeds reached {target}; median training time "
              "to it: " + ("not reached by half the seeds" if median is None else f"{figures.number(median, 1)} s")
              + f"; {figures.number(document['train_flops_per_run'] / 1e12, 2)} TFLOP of training per run; "
