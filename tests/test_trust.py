@@ -192,6 +192,7 @@ def test_bad_flags_exit_2_with_one_json_document_and_no_files(tmp_path, args, ne
     assert result.returncode == 2, result.stderr
     (line,) = lines(result.stderr)
     assert needle in line and "Traceback" not in result.stderr
+    assert line.startswith("fashionjax") and "fashionjax: fashionjax" not in line  # named once
     document = json.loads(result.stdout)
     assert document["error"]["exit_code"] == 2 and document["error"]["kind"] == "usage"
     assert needle in document["error"]["message"]

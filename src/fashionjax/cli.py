@@ -26,12 +26,16 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
 class UsageError(Exception):
-    """Bad flags; reported in one line with exit code 2."""
+    """Bad flags; reported in one line with exit code 2, after the name of the (sub)command that refused them."""
+
+    def __init__(self, message: str, command: str):
+        super().__init__(message)
+        self.command = command
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not argparse's two-line usage dump
-        raise UsageError(f"{self.prog}: {message}")
+        raise UsageError(message, self.prog)
 
 
 def _devices(text: str) -> str | int:
@@ -491,7 +495,7 @@ def _run(argv: list[str], out, stops: StopRequests) -> int:
             raise
         lines = str(err).strip().splitlines() or [type(err).__name__]
         more = " (--debug shows the rest)" if len(lines) > 1 else ""
-        message = f"{command}: {lines[0]}{more}"
+        message = f"{getattr(err, 'command', command)}: {lines[0]}{more}"
         code = exit_code(err)
         out.error(message)
         out.document({"error": {"message": message, "exit_code": code, "kind": error_kind(err)}, **out.facts})
