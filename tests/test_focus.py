@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fashionjax import augment, cli, config, distributed, focus, models, plan, train
+from fashionjax import augment, cli, config, distributed, focus, plan, train
 
 KEY = jax.random.key(7)
 
@@ -106,9 +106,8 @@ def members_chunk(config, images, labels, together: bool):
     together (vmapped, as on an accelerator) or one after another (as on a CPU), and its arguments."""
     mesh = distributed.make_mesh("all")
     resolved = plan.resolve(config, len(labels))
-    step = train.make_train_step(models.get(config.model), train.make_optimizer(config, resolved.schedule_steps),
-                                 jnp.float32, config.label_smoothing, train.frozen_paths(config))
-    keys = {purpose: jnp.asarray(data) for purpose, data in train.chunk_keys(resolved).items()}
+    step = train.config_train_step(config, resolved.schedule_steps)
+    keys = train.chunk_keys(resolved, mesh)
     epoch, perms = train.place_orders(keys["data"], 0, resolved.perms_per_chunk, resolved.num_examples, mesh)
     chunk = train.make_chunk(step, resolved.steps_per_epoch + resolved.focus_steps, resolved, mesh,
                              augment.make_augment(config), members_together=together)

@@ -137,13 +137,9 @@ class Workload:
     mesh: object
 
     def fresh(self):
-        model = models.get(self.config.model)
-        optimizer = train.make_optimizer(self.config, 10**6)
         # config.seeds > 1: that many models, stacked
         state = train.initial_state(self.config, 10**6, num_examples=int(self.images_u8.shape[0]))
-        step = train.make_train_step(model, optimizer, train.compute_dtype(self.config.dtype), self.config.label_smoothing,
-                                     train.frozen_paths(self.config))
-        return distributed.replicate_tree(state, self.mesh), step
+        return distributed.replicate_tree(state, self.mesh), train.config_train_step(self.config, 10**6)
 
     def plan(self, log_every: int) -> plan_lib.Plan:
         config = dataclasses.replace(self.config, log_every=log_every, steps=10**6, epochs=None)
@@ -166,7 +162,7 @@ def fused_runner(work: Workload, steps: int):
     state, step_fn = work.fresh()
     plan = work.plan(min(CODELAB_LOG_EVERY, steps))
     chunk_steps, count = plan.log_every, plan.perms_per_chunk
-    keys = {purpose: distributed.put_replicated(data, work.mesh) for purpose, data in train.chunk_keys(plan).items()}
+    keys = train.chunk_keys(plan, work.mesh)
     epoch, perms = train.place_orders(keys["data"], 0, count, plan.num_examples, work.mesh)
     augment_fn = augment.make_augment(work.config)
     tic = time.perf_counter()

@@ -203,6 +203,13 @@ def without_gradient(params: dict, frozen: tuple[tuple[str, ...], ...]) -> dict:
     return _map_by_path(lambda path, leaf: jax.lax.stop_gradient(leaf) if path in frozen else leaf, params)
 
 
+def config_train_step(config: TrainConfig, schedule_steps: int) -> Callable:
+    """The train step `config` trains with: its model, its optimizer over schedule_steps, its compute
+    dtype, label smoothing and frozen layers (what fit, bench and the tests all build)."""
+    return make_train_step(models.get(config.model), make_optimizer(config, schedule_steps), compute_dtype(config.dtype),
+                           config.label_smoothing, frozen_paths(config))
+
+
 def make_train_step(model: models.Model, optimizer: optax.GradientTransformation, dtype,
                     label_smoothing: float = 0.0, frozen: tuple[tuple[str, ...], ...] = ()) -> Callable:
     """train_step(state, images_u8, labels, indices=None) -> (state, metrics); pure, metrics stay on the
@@ -364,10 +371,11 @@ def make_chunk(train_step: Callable, num_steps: int, plan: Plan, mesh, augment: 
     return run_members
 
 
-def chunk_keys(plan: Plan) -> dict[str, np.ndarray]:
-    """The raw key data a compiled chunk reads: augmentation's streams, and the data stream (the epochs'
-    orders are made from it, and --focus's passes)."""
-    return {**augment_keys(plan), "data": plan.key_data("data")}
+def chunk_keys(plan: Plan, mesh) -> dict[str, jax.Array]:
+    """The raw key data a compiled chunk reads, replicated over the mesh: augmentation's streams, and
+    the data stream (the epochs' orders are made from it, and --focus's passes)."""
+    return {purpose: distributed.put_replicated(data, mesh)
+            for purpose, data in {**augment_keys(plan), "data": plan.key_data("data")}.items()}
 
 
 def compiler_options() -> dict:
@@ -457,10 +465,7 @@ def fit(
     hooks = hooks or Hooks()
     mesh = mesh if mesh is not None else distributed.make_mesh("all")
     plan = plan or plan_lib.resolve(config, int(train_images_u8.shape[0]), int(mesh.devices.size))
-    model = models.get(config.model)
-    optimizer = make_optimizer(config, plan.schedule_steps)
-    train_step = make_train_step(model, optimizer, compute_dtype(config.dtype), config.label_smoothing,
-                                 frozen_paths(config))
+    train_step = config_train_step(config, plan.schedule_steps)
     if start is None:
         tic = time.perf_counter()
         whiten = fitted_whitening(config, train_images_u8)  # fitting to the training images is training
@@ -475,7 +480,7 @@ def fit(
     state = distributed.replicate_tree(state, mesh)
     images_u8 = distributed.put_replicated(train_images_u8.reshape(plan.num_examples, -1), mesh)  # (N, 784) uint8
     labels = distributed.put_replicated(train_labels.astype(np.int32), mesh)
-    keys = {purpose: distributed.put_replicated(data, mesh) for purpose, data in chunk_keys(plan).items()}
+    keys = chunk_keys(plan, mesh)
 
     step = int(np.ravel(distributed.fetch(state.step))[0])  # deliberate sync: once, before the loop
     healthy = finite_members(state.params, plan.members)  # a member diverged before a resume stays so
