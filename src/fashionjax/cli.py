@@ -495,7 +495,7 @@ def _run(argv: list[str], out, stops: StopRequests) -> int:
             raise
         lines = str(err).strip().splitlines() or [type(err).__name__]
         more = " (--debug shows the rest)" if len(lines) > 1 else ""
-        message = f"{getattr(err, 'command', command)}: {lines[0]}{more}"
+        message = f"{err.command if isinstance(err, UsageError) else command}: {lines[0]}{more}"
         code = exit_code(err)
         out.error(message)
         out.document({"error": {"message": message, "exit_code": code, "kind": error_kind(err)}, **out.facts})
