@@ -185,6 +185,8 @@ def test_absurd_log_every_is_capped_to_the_run(tmp_path, synthetic_cli):
     (["bench", "--devices", "99"], "--devices 99"),
     (["bench", "--devices", "0"], "--devices"),
     (["frobnicate"], "invalid choice"),
+    (["train", "--bogus"], "fashionjax train: unrecognized arguments: --bogus"),  # named by its subcommand
+    (["speedrun", "--epoch", "3"], "fashionjax speedrun: unrecognized arguments: --epoch 3"),
 ])
 def test_bad_flags_exit_2_with_one_json_document_and_no_files(tmp_path, args, needle):
     result = fashionjax(*args, "--json", "--out" if args[0] == "bench" else "--run-dir", str(tmp_path / "out"),
@@ -197,6 +199,14 @@ def test_bad_flags_exit_2_with_one_json_document_and_no_files(tmp_path, args, ne
     assert document["error"]["exit_code"] == 2 and document["error"]["kind"] == "usage"
     assert needle in document["error"]["message"]
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run dir, no runs/
+
+
+def test_no_command_names_the_commands(capsys):
+    assert cli.main([]) == 2
+    (line,) = lines(capsys.readouterr().err)
+    assert line.startswith("fashionjax: no command given; choose one of doctor, data, train,")
+    assert cli.main(["--json"]) == 2  # a --json with no command is still answered in JSON
+    assert json.loads(capsys.readouterr().out)["error"]["kind"] == "usage"
 
 
 def test_json_errors_name_the_broken_file(finished_run, tmp_path, synthetic_cli, capsys):

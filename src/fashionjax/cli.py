@@ -34,8 +34,20 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):  # flags in full: --epoch is not --epochs, and new flags break no command
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
     def error(self, message):  # one line, not argparse's two-line usage dump
         raise UsageError(message, self.prog)
+
+    def parse_args(self, args=None, namespace=None):
+        # argparse reports a subcommand's unknown flags from the top-level parser; name the subcommand
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            command = getattr(parsed, "command", None)
+            raise UsageError(f"unrecognized arguments: {' '.join(unknown)}",
+                             f"{self.prog} {command}" if command else self.prog)
+        return parsed
 
 
 def _devices(text: str) -> str | int:
@@ -93,7 +105,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     parser = _Parser(prog="fashionjax", description="Train and evaluate Fashion-MNIST classifiers with JAX.")
     parser.add_argument("--version", action="version", version=f"fashionjax {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)  # a missing one: _run says which exist
 
     doctor = sub.add_parser("doctor", help="versions, backend and devices")
     doctor.add_argument("--require-gpu", action="store_true", help="exit 1 when no GPU is visible")
@@ -484,6 +496,9 @@ def _run(argv: list[str], out, stops: StopRequests) -> int:
     command = "fashionjax"
     try:
         args = build_parser(argv).parse_args(argv)
+        if args.command is None:
+            raise UsageError(f"no command given; choose one of {', '.join(COMMANDS)} (--help says what each does)",
+                             command)
         command = f"fashionjax {args.command}"
         handler = COMMANDS[args.command]
         return handler(args, out, stops) if handler in NEEDS_SIGNALS else handler(args, out)
