@@ -132,6 +132,16 @@ def test_a_non_image_among_images_is_named_and_the_others_are_predicted(mlp_run,
     assert sum("notes.png: not a readable image" in line for line in captured.err.splitlines()) == 1
 
 
+def test_predict_with_no_readable_image_says_only_why(mlp_run, tmp_path, capsys):
+    (tmp_path / "notes.png").write_text("not a picture")
+    assert cli.main(["predict", str(mlp_run), str(tmp_path / "notes.png")]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no empty table
+    assert captured.err.strip().splitlines() == [
+        f"fashionjax predict: {tmp_path / 'notes.png'}: not a readable image (cannot identify image file "
+        f"'{tmp_path / 'notes.png'}')"]
+
+
 @pytest.mark.parametrize("argv, fragment", [
     (["{run}", "{missing}"], "no such file or folder"),
     (["{run}", "{empty}"], "no files in this folder"),

@@ -327,11 +327,12 @@ def cmd_predict(args, out) -> int:
     rows = [item.to_dict(CLASS_NAMES, args.top_k) for item in predictions]
     for failure in failures:
         out.error(f"fashionjax predict: {failure['message']}")
-    out.show(console.table(f"predictions of {run_dir} (checkpoint step {trained.step})",
-                           ["image", "class", "probability", "next"],
-                           [(row["path"], row["class"], f"{100 * row['probability']:.1f}%",
-                             ", ".join(f"{t['class']} {100 * t['probability']:.1f}%" for t in row["top_k"][1:]))
-                            for row in rows]))
+    if rows:  # when every image failed, their error lines say all there is
+        out.show(console.table(f"predictions of {run_dir} (checkpoint step {trained.step})",
+                               ["image", "class", "probability", "next"],
+                               [(row["path"], row["class"], f"{100 * row['probability']:.1f}%",
+                                 ", ".join(f"{t['class']} {100 * t['probability']:.1f}%" for t in row["top_k"][1:]))
+                                for row in rows]))
     document = {"run_dir": str(run_dir), "model": config.model, "checkpoint_step": trained.step,
                 "predictions": rows, "failures": failures}
     if args.save_preprocessed and predictions:
