@@ -209,6 +209,17 @@ def test_no_command_names_the_commands(capsys):
     assert json.loads(capsys.readouterr().out)["error"]["kind"] == "usage"
 
 
+@pytest.mark.parametrize("command", [["data"], ["bench"], ["speedrun"], ["export", "{run}"]])
+def test_an_out_that_is_a_file_is_named_and_kept(finished_run, tmp_path, synthetic_cli, capsys, command):
+    blocker = tmp_path / "results"
+    blocker.write_text("the user's notes")
+    argv = [arg.replace("{run}", str(finished_run)) for arg in command]
+    assert cli.main([*argv, "--out", str(blocker), "--json"]) == 1
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["message"] == f"fashionjax {command[0]}: {blocker}: exists and is not a directory"
+    assert blocker.read_text() == "the user's notes"
+
+
 def test_json_errors_name_the_broken_file(finished_run, tmp_path, synthetic_cli, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)

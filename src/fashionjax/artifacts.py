@@ -144,6 +144,8 @@ def utc_stamp() -> str:
 def ensure_dir(directory: str | Path) -> Path:
     """Create an output directory (keeping what is in it) and check that it takes files."""
     directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise OutputDirError(f"{directory}: exists and is not a directory")
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / ".write-probe"

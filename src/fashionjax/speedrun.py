@@ -79,7 +79,7 @@ def run(args, explicit: dict, out, stops, train_one) -> dict:
     train_one(seed_args, explicit, out, stops) -> summary is the train command's core.
     """
     first_seed = explicit.get("seed", 0)
-    out_dir = Path(args.out) if args.out else Path("runs") / f"speedrun-{artifacts.utc_stamp()}"
+    out_dir = artifacts.ensure_dir(Path(args.out) if args.out else Path("runs") / f"speedrun-{artifacts.utc_stamp()}")
     rows = []
     for seed in range(first_seed, first_seed + args.seeds):
         seed_config = dict(explicit, seed=seed)
@@ -118,7 +118,6 @@ def write(out_dir: Path, rows: list[dict], target: float, last_summary: dict) ->
         "environment": environment.describe(),
         "charts": ["speedrun.png"],
     }
-    artifacts.ensure_dir(out_dir)
     plots.strip([row["test_accuracy"] for row in rows], [row["seed"] for row in rows], target,
                 f"{model.name}: test accuracy per seed", out_dir / "speedrun.png")
     artifacts.atomic_write_json(out_dir / SPEEDRUN_JSON, document)
