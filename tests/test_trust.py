@@ -220,6 +220,28 @@ def test_an_out_that_is_a_file_is_named_and_kept(finished_run, tmp_path, synthet
     assert blocker.read_text() == "the user's notes"
 
 
+def test_commands_sharing_an_out_both_find_it_writable(tmp_path):
+    # each probe is its own file: one command's cleanup never removes another's probe mid-check
+    failures: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def probe():
+        barrier.wait()
+        for _ in range(200):
+            try:
+                artifacts.ensure_dir(tmp_path / "shared")
+            except artifacts.OutputDirError as err:
+                failures.append(str(err))
+
+    threads = [threading.Thread(target=probe) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert list((tmp_path / "shared").iterdir()) == []
+
+
 def test_json_errors_name_the_broken_file(finished_run, tmp_path, synthetic_cli, capsys):
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)

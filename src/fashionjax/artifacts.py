@@ -148,9 +148,9 @@ def ensure_dir(directory: str | Path) -> Path:
         raise OutputDirError(f"{directory}: exists and is not a directory")
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / ".write-probe"
-        probe.write_bytes(b"")
-        probe.unlink()
+        # a nameless file (or a uniquely named one): commands probing one --out at once never meet
+        with tempfile.TemporaryFile(dir=directory):
+            pass
     except OSError as err:
         raise OutputDirError(f"{directory}: output directory is not writable ({err.strerror})") from err
     return directory
