@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -25,15 +26,43 @@ import optax
 from fashionjax import cli, layers, models, train
 
 
+@dataclass(frozen=True)
 class ProbeNet(models.ConvNet):
     """The speedrun network of another shape, marking while it traces its training form (for --dropout)."""
+
+    residual: bool = False
 
     def forward(self, params, images, compute_dtype=jnp.float32, train=False):
         _TRAINING[0] = train
         try:
+            if self.residual:
+                return residual_forward(self, params, images, compute_dtype, train)
             return super().forward(params, images, compute_dtype, train)
         finally:
             _TRAINING[0] = False
+
+
+def residual_forward(net, params, images, compute_dtype, train):
+    """The network's forward pass with an identity skip around each convolution after the first whose
+    width does not change: its normed output plus its (pooled, where it pools) input."""
+    stats = {}
+
+    def normed(x, name):
+        x, stats[name] = layers.batch_norm(x, params[name]["bias"], params["stats"][name], train, models.BN_MOMENTUM)
+        return jax.nn.relu(x)
+
+    x = ((images.reshape(images.shape[0], models.IMAGE_SIDE, models.IMAGE_SIDE) - models.PIXEL_MEAN)
+         / models.PIXEL_STD).astype(compute_dtype)
+    x = normed(layers.signed_max_pool2x2_planes(layers.conv3x3_same_planes(x, params["conv0"]["w"].astype(compute_dtype))),
+               "conv0")
+    for i, pool in enumerate(net.pools, start=1):
+        y = layers.conv3x3_same(x, params[f"conv{i}"]["w"].astype(compute_dtype))
+        y = normed(layers.max_pool2x2(y) if pool else y, f"conv{i}")
+        if y.shape[-1] == x.shape[-1]:
+            y = y + (layers.max_pool2x2(x) if pool else x)
+        x = y
+    x = jax.nn.relu(models._dense(x.reshape(x.shape[0], -1), params["dense"], compute_dtype))
+    return models._dense(x, params["head"], compute_dtype).astype(jnp.float32), stats
 
 
 def add_hidden_dropout(rate: float, flat: int) -> None:
@@ -94,6 +123,8 @@ def main() -> int:
     parser.add_argument("--filters", default=",".join(map(str, models.SPEEDRUN.filters)))
     parser.add_argument("--pools", default="".join("1" if p else "0" for p in models.SPEEDRUN.pools))
     parser.add_argument("--hidden", type=int, default=models.SPEEDRUN.hidden)
+    parser.add_argument("--residual", action="store_true",
+                        help="an identity skip around each convolution after the first that keeps its width")
     parser.add_argument("--gelu", action="store_true", help="GELU instead of ReLU after each batch norm")
     parser.add_argument("--lookahead", default=None, metavar="K,ALPHA",
                         help="Lookahead: every K steps move slow weights ALPHA of the way to the fast ones")
@@ -105,7 +136,7 @@ def main() -> int:
     if len(args.pools) != len(filters) - 1 or set(args.pools) - {"0", "1"}:
         parser.error(f"--pools needs one 0 or 1 per convolution after the first ({len(filters) - 1}), "
                      f"got {args.pools!r}")
-    net = ProbeNet(filters, tuple(p == "1" for p in args.pools), args.hidden)
+    net = ProbeNet(filters, tuple(p == "1" for p in args.pools), args.hidden, args.residual)
     models.REGISTRY["speedrun"] = net.model("speedrun")  # this process only
     if args.dropout:
         add_hidden_dropout(args.dropout, net.flat)
@@ -116,7 +147,7 @@ def main() -> int:
     if args.gelu:
         jax.nn.relu = jax.nn.gelu  # only the speedrun network calls relu; this process only
     print(f"speedrun variant: filters {filters}, pools 1{args.pools}, hidden {args.hidden}, "
-          f"{'GELU' if args.gelu else 'ReLU'}, {models.REGISTRY['speedrun'].train_flops_per_example / 1e6:.1f} "
+          f"{'GELU' if args.gelu else 'ReLU'}{', residual' if args.residual else ''}, {models.REGISTRY['speedrun'].train_flops_per_example / 1e6:.1f} "
           "MFLOP of training per example", file=sys.stderr)
     return cli.main(argv[split + 1:])
 
