@@ -5,7 +5,7 @@ The variant, a `models.ConvNet` of another shape, is registered as `speedrun` in
 everything else (flags, run directory, summary.json) is the train command's own. Usage:
 
     python benchmarks/speedrun_probe.py [--filters 9,64,64,128] [--pools 011] [--hidden 512]
-        [--gelu] [--dropout 0.3] [--lookahead 5,0.5] [--gpu-conv-min-batch N] -- train --model speedrun --run-dir runs/probe ...
+        [--residual] [--gelu] [--dropout 0.3] [--lookahead 5,0.5] [--gpu-conv-min-batch N] -- train --model speedrun --run-dir runs/probe ...
 
 --filters: each convolution's filter count (the first layer's are pooled with their negations, as
 the model's are). --pools holds one digit per convolution after the first (which always pools): 1
@@ -28,7 +28,8 @@ from fashionjax import cli, layers, models, train
 
 @dataclass(frozen=True)
 class ProbeNet(models.ConvNet):
-    """The speedrun network of another shape, marking while it traces its training form (for --dropout)."""
+    """The speedrun network of another shape (with `residual`, skips), marking while it traces its
+    training form (for --dropout)."""
 
     residual: bool = False
 
