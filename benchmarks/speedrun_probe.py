@@ -36,34 +36,16 @@ class ProbeNet(models.ConvNet):
     def forward(self, params, images, compute_dtype=jnp.float32, train=False):
         _TRAINING[0] = train
         try:
-            if self.residual:
-                return residual_forward(self, params, images, compute_dtype, train)
             return super().forward(params, images, compute_dtype, train)
         finally:
             _TRAINING[0] = False
 
-
-def residual_forward(net, params, images, compute_dtype, train):
-    """The network's forward pass with an identity skip around each convolution after the first whose
-    width does not change: its normed output plus its (pooled, where it pools) input."""
-    stats = {}
-
-    def normed(x, name):
-        x, stats[name] = layers.batch_norm(x, params[name]["bias"], params["stats"][name], train, models.BN_MOMENTUM)
-        return jax.nn.relu(x)
-
-    x = ((images.reshape(images.shape[0], models.IMAGE_SIDE, models.IMAGE_SIDE) - models.PIXEL_MEAN)
-         / models.PIXEL_STD).astype(compute_dtype)
-    x = normed(layers.signed_max_pool2x2_planes(layers.conv3x3_same_planes(x, params["conv0"]["w"].astype(compute_dtype))),
-               "conv0")
-    for i, pool in enumerate(net.pools, start=1):
-        y = layers.conv3x3_same(x, params[f"conv{i}"]["w"].astype(compute_dtype))
-        y = normed(layers.max_pool2x2(y) if pool else y, f"conv{i}")
-        if y.shape[-1] == x.shape[-1]:
+    def block(self, x, w, pool, normed):
+        """The model's block; with `residual`, where it keeps the width, plus its (pooled) input."""
+        y = super().block(x, w, pool, normed)
+        if self.residual and y.shape[-1] == x.shape[-1]:
             y = y + (layers.max_pool2x2(x) if pool else x)
-        x = y
-    x = jax.nn.relu(models._dense(x.reshape(x.shape[0], -1), params["dense"], compute_dtype))
-    return models._dense(x, params["head"], compute_dtype).astype(jnp.float32), stats
+        return y
 
 
 def add_hidden_dropout(rate: float, flat: int) -> None:

@@ -234,10 +234,14 @@ class ConvNet:
         x = ((images.reshape(images.shape[0], IMAGE_SIDE, IMAGE_SIDE) - PIXEL_MEAN) / PIXEL_STD).astype(compute_dtype)
         x = normed(layers.signed_max_pool2x2_planes(layers.conv3x3_same_planes(x, weights("conv0"))), "conv0")
         for i, pool in enumerate(self.pools, start=1):
-            x = layers.conv3x3_same(x, weights(f"conv{i}"))
-            x = normed(layers.max_pool2x2(x) if pool else x, f"conv{i}")
+            x = self.block(x, weights(f"conv{i}"), pool, functools.partial(normed, name=f"conv{i}"))
         x = jax.nn.relu(_dense(x.reshape(x.shape[0], -1), params["dense"], compute_dtype))
         return _dense(x, params["head"], compute_dtype).astype(jnp.float32), stats
+
+    def block(self, x, w, pool: bool, normed: Callable):
+        """One convolution after the first: (B, H, W, C) -> its output, pooled where said, then normed."""
+        y = layers.conv3x3_same(x, w)
+        return normed(layers.max_pool2x2(y) if pool else y)
 
     def apply(self, params: dict, images, compute_dtype=jnp.float32):
         return self.forward(params, images, compute_dtype, train=False)[0]
