@@ -5,7 +5,8 @@ The variant, a `models.ConvNet` of another shape, is registered as `speedrun` in
 everything else (flags, run directory, summary.json) is the train command's own. Usage:
 
     python benchmarks/speedrun_probe.py [--filters 9,64,64,128] [--pools 011] [--hidden 512]
-        [--residual] [--gelu] [--dropout 0.3] [--lookahead 5,0.5] [--gpu-conv-min-batch N] -- train --model speedrun --run-dir runs/probe ...
+        [--residual] [--gelu] [--dropout 0.3] [--lookahead 5,0.5] [--progressive 32,3750]
+        [--gpu-conv-min-batch N] -- train --model speedrun --run-dir runs/probe ...
 
 --filters: each convolution's filter count (the first layer's are pooled with their negations, as
 the model's are). --pools holds one digit per convolution after the first (which always pools): 1
@@ -15,12 +16,16 @@ max-pools (2x2) after it. The last map is flattened.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
+import re
 import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fashionjax import cli, layers, models, train
@@ -96,6 +101,63 @@ def add_lookahead(period: int, alpha: float) -> None:
     train._optimizer = with_lookahead
 
 
+def add_progressive_widths(net: models.ConvNet, width: int, steps: int) -> None:
+    """Progressive widths: the convolutions as wide as the second one and at its side (the 14x14 ones)
+    train `width` wide until the first chunk boundary (every --log-every steps) at or after `steps`,
+    then at full width. The narrow chunks are their own compiled program over sliced parameters, so
+    they cost what the narrow network costs (a lax.cond between the two inside one step cost the wide
+    steps about 9%); the channels that join later start with zero weights out of them, so widening
+    leaves the function unchanged. Which program runs depends only on the step: resume stays exact."""
+    narrowed = list(itertools.takewhile(lambda i: (net.sides[i], net.filters[i]) == (net.sides[1], net.filters[1]),
+                                        range(1, len(net.filters))))
+    reader = narrowed[-1] + 1  # the convolution that reads the narrowed channels keeps its own width
+    if reader == len(net.filters) or not 0 < width < net.filters[1]:
+        raise SystemExit(f"--progressive needs a width under {net.filters[1]} and a convolution after the narrowed ones")
+    wide = models.REGISTRY["speedrun"]
+
+    def sliced(params):
+        out = {**params, "stats": dict(params["stats"])}
+        for i in narrowed:
+            w = params[f"conv{i}"]["w"][..., :width]
+            out[f"conv{i}"] = {"w": w[:, :, :width] if i - 1 in narrowed else w, "bias": params[f"conv{i}"]["bias"][:width]}
+            out["stats"][f"conv{i}"] = jax.tree.map(lambda s: s[:width], params["stats"][f"conv{i}"])
+        out[f"conv{reader}"] = {**params[f"conv{reader}"], "w": params[f"conv{reader}"]["w"][:, :, :width]}
+        return out
+
+    def narrow_apply_train(params, images, compute_dtype=jnp.float32):
+        logits, stats = wide.apply_train(sliced(params), images, compute_dtype)
+        for i in narrowed:  # the late channels' running statistics wait, unchanged
+            stats[f"conv{i}"] = jax.tree.map(lambda full, part: full.at[:width].set(part),
+                                             params["stats"][f"conv{i}"], stats[f"conv{i}"])
+        return logits, stats
+
+    def init(key):
+        params = wide.init(key)
+        for i in [*narrowed[1:], reader]:
+            params[f"conv{i}"]["w"] = params[f"conv{i}"]["w"].at[:, :, width:].set(0.0)
+        return params
+
+    models.REGISTRY["speedrun"] = dataclasses.replace(wide, init=init)
+    narrow = dataclasses.replace(wide, apply_train=narrow_apply_train)
+    build_step, build_chunk = train.make_train_step, train.compile_chunk
+
+    def progressive_step(model, *args, **kwargs):
+        step = build_step(model, *args, **kwargs)
+        step.narrow = build_step(narrow, *args, **kwargs)
+        return step
+
+    def progressive_chunk(train_step, *args, **kwargs):
+        narrow_chunk, wide_chunk = build_chunk(train_step.narrow, *args, **kwargs), build_chunk(train_step, *args, **kwargs)
+
+        def run(state, *rest):  # an explicit fetch of the step number, once a chunk
+            first = int(np.ravel(jax.device_get(state.step))[0])
+            return (narrow_chunk if first < steps else wide_chunk)(state, *rest)
+
+        return run
+
+    train.make_train_step, train.compile_chunk = progressive_step, progressive_chunk
+
+
 _TRAINING = [False]  # set while speedrun_forward traces its training form
 
 
@@ -112,6 +174,8 @@ def main() -> int:
     parser.add_argument("--lookahead", default=None, metavar="K,ALPHA",
                         help="Lookahead: every K steps move slow weights ALPHA of the way to the fast ones")
     parser.add_argument("--dropout", type=float, default=0.0, help="drop this fraction of the hidden units in training")
+    parser.add_argument("--progressive", default=None, metavar="WIDTH,STEPS",
+                        help="the 14x14 convolutions train WIDTH wide for the first STEPS steps, then at full width")
     parser.add_argument("--gpu-conv-min-batch", type=int, default=layers.GPU_CONV_MIN_BATCH,
                         help="the batch from which a GPU runs XLA's convolution instead of im2col (0: always)")
     args = parser.parse_args(argv[:split])
@@ -126,6 +190,11 @@ def main() -> int:
     if args.lookahead:
         period, alpha = args.lookahead.split(",")
         add_lookahead(int(period), float(alpha))
+    if args.progressive:
+        if not re.fullmatch(r"\d+,\d+", args.progressive):
+            parser.error(f"--progressive needs WIDTH,STEPS, got {args.progressive!r}")
+        width, steps = map(int, args.progressive.split(","))
+        add_progressive_widths(net, width, steps)
     layers.GPU_CONV_MIN_BATCH = args.gpu_conv_min_batch
     if args.gelu:
         jax.nn.relu = jax.nn.gelu  # only the speedrun network calls relu; this process only
