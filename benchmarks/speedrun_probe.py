@@ -20,7 +20,6 @@ import dataclasses
 import itertools
 import re
 import sys
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -31,7 +30,7 @@ import optax
 from fashionjax import cli, layers, models, train
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ProbeNet(models.ConvNet):
     """The speedrun network of another shape (with `residual`, skips), marking while it traces its
     training form (for --dropout)."""
