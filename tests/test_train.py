@@ -125,6 +125,30 @@ def test_codelab_preset():
         400, "constant", 512, 3e-3, 1e-4)
 
 
+@pytest.mark.parametrize("schedule,rates", [  # 1,000 updates at a peak of 2e-3, 100 of them warming up
+    ("constant", {0: 2e-3, 325: 2e-3, 999: 2e-3}),
+    ("cosine", {0: 0.0, 50: 1e-3, 100: 2e-3, 325: 1e-3 * (1 + 0.5 ** 0.5), 550: 1e-3, 1000: 0.0}),
+    ("linear", {0: 0.0, 50: 1e-3, 100: 2e-3, 325: 1.5e-3, 550: 1e-3, 999: 2e-3 / 900, 1000: 0.0}),
+])
+def test_learning_rate_schedules_by_hand(schedule, rates):
+    rate = train.lr_schedule(config.TrainConfig(lr=2e-3, schedule=schedule, warmup_steps=100), 1000)
+    assert {count: float(rate(count)) for count in rates} == pytest.approx(rates, rel=1e-5, abs=1e-9)
+
+
+@pytest.mark.parametrize("schedule", config.SCHEDULES)
+def test_only_a_constant_schedule_may_be_extended_on_resume(schedule):
+    from fashionjax import checkpoint
+
+    laid_out = dataclasses.replace(TINY, schedule=schedule)
+    meta = {"step": 12, "plan": plan.resolve(laid_out, num_examples=640).to_dict()}
+    longer = plan.resolve(dataclasses.replace(laid_out, steps=20), num_examples=640)
+    if schedule == "constant":
+        checkpoint.check_length(laid_out, longer, meta)
+    else:
+        with pytest.raises(checkpoint.ResumeError, match=f"the {schedule} schedule of this run is laid out for 12"):
+            checkpoint.check_length(laid_out, longer, meta)
+
+
 def test_augmentation_is_a_pure_function_of_the_key():
     images = np.random.default_rng(0).integers(0, 255, (8, 784), dtype=np.uint8)
     key = jax.random.key(5)

@@ -193,13 +193,13 @@ def _first_line(err: BaseException) -> str:
 
 
 def check_length(config: TrainConfig, plan: plan_lib.Plan, meta: dict) -> None:
-    """A run is not shortened past its checkpoint, and a cosine schedule laid out for N steps is not
+    """A run is not shortened past its checkpoint, and a decaying schedule laid out for N steps is not
     silently re-stretched: refuse another length."""
     if plan.total_steps < meta["step"]:
         raise ResumeError(f"--steps {plan.total_steps} is below the checkpoint's step {meta['step']}: "
                           "a run cannot be shortened past where it is")
     saved = meta.get("plan")
-    if saved and config.schedule == "cosine" and plan.total_steps != saved["schedule_steps"]:
+    if saved and config.schedule != "constant" and plan.total_steps != saved["schedule_steps"]:
         raise ResumeError(
-            f"the cosine schedule of this run is laid out for {saved['schedule_steps']} steps; running "
+            f"the {config.schedule} schedule of this run is laid out for {saved['schedule_steps']} steps; running "
             f"{plan.total_steps} would change its learning rates (only constant-schedule runs can be extended)")

@@ -14,7 +14,7 @@ MODELS = ("mlp", "cnn", "speedrun", "deep")  # kept in step with models.REGISTRY
 WHITENABLE = ("speedrun", "deep")  # models whose first layer --whiten can fit; kept in step with models by a test
 CONVOLUTIONAL = ("cnn", "speedrun", "deep")  # models with convolution filters (for --optimizer muon); the same test
 OPTIMIZERS = ("adamw", "adam", "sgd", "muon")
-SCHEDULES = ("constant", "cosine")
+SCHEDULES = ("constant", "cosine", "linear")
 DTYPES = ("float32", "bfloat16")
 MAX_SEED = 2**32 - 1  # JAX's default PRNG takes 32-bit seeds: larger ones alias smaller ones
 
@@ -37,8 +37,8 @@ class TrainConfig:
     batch_size: int = _flag("global batch size (split over the devices)", 512)
     optimizer: str = _flag(f"one of {', '.join(OPTIMIZERS)}", "adamw", choices=OPTIMIZERS)
     lr: float = _flag("peak learning rate", 3e-3)
-    schedule: str = _flag(f"one of {', '.join(SCHEDULES)} (cosine warms up first)", "cosine", choices=SCHEDULES)
-    warmup_steps: int = _flag("warm-up steps of the cosine schedule", 100)
+    schedule: str = _flag(f"one of {', '.join(SCHEDULES)} (cosine and linear warm up, then decay to zero)", "cosine", choices=SCHEDULES)
+    warmup_steps: int = _flag("warm-up steps of the cosine and linear schedules", 100)
     weight_decay: float = _flag("decoupled weight decay", 1e-4)
     momentum: float = _flag("momentum (sgd; muon's convolution filters)", 0.9)
     muon_scale: float = _flag("--optimizer muon: the convolution filters' peak rate as a multiple of --lr (Muon's "

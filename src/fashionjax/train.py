@@ -49,9 +49,12 @@ def compute_dtype(name: str):
 
 def lr_schedule(config: TrainConfig, schedule_steps: int) -> Callable[[int], Any]:
     """The learning rate of each update (counted from 0): what the optimizer uses, for the logs too."""
-    if config.schedule != "cosine":
+    if config.schedule == "constant":
         return lambda count: config.lr
     warmup = min(config.warmup_steps, max(schedule_steps - 1, 0))
+    if config.schedule == "linear":  # a straight line from the peak to zero at the last update
+        return optax.join_schedules([optax.linear_schedule(0.0, config.lr, warmup),
+                                     optax.linear_schedule(config.lr, 0.0, max(schedule_steps - warmup, 1))], [warmup])
     return optax.warmup_cosine_decay_schedule(
         0.0, config.lr, warmup_steps=warmup, decay_steps=max(schedule_steps, warmup + 1), end_value=0.0)
 
@@ -71,7 +74,7 @@ def make_optimizer(config: TrainConfig, schedule_steps: int) -> optax.GradientTr
 
         return optax.inject_hyperparams(build)(lr=config.lr, weight_decay=config.weight_decay,
                                                momentum=config.momentum)
-    learning_rate = lr_schedule(config, schedule_steps) if config.schedule == "cosine" else config.lr
+    learning_rate = lr_schedule(config, schedule_steps) if config.schedule != "constant" else config.lr
     return _optimizer(config, learning_rate, config.weight_decay, config.momentum)
 
 
