@@ -104,7 +104,10 @@ def test_deep_flops_by_hand():
     assert model.run_flops_per_example(whiten=True) == expected - 2 * macs[0]
 
 
-def test_the_deep_recipe_is_the_speedrun_recipe_longer_and_shifted():
+def test_the_deep_recipe_is_the_speedrun_recipe_longer_shifted_and_cosine():
     deep, speedrun = config.default("deep"), config.default("speedrun")
-    assert (deep.model, deep.epochs, deep.focus, deep.max_shift, deep.tta_shift) == ("deep", 12, 0.5, 1, 1)
-    assert dataclasses.replace(deep, model="speedrun", epochs=speedrun.epochs, max_shift=speedrun.max_shift) == speedrun
+    assert (deep.model, deep.epochs, deep.steps, deep.schedule) == ("deep", 12, None, "cosine")
+    assert (deep.focus, deep.max_shift, deep.tta_shift) == (0.5, 1, 1)
+    assert (speedrun.steps, speedrun.epochs, speedrun.schedule, speedrun.max_shift) == (13_000, None, "linear", 0)
+    assert dataclasses.replace(deep, model="speedrun", epochs=None, steps=speedrun.steps, schedule="linear",
+                               max_shift=0) == speedrun

@@ -198,6 +198,17 @@ def test_shift_tta_scores_a_real_model_from_its_eighteen_views(small_dataset):
         config.validate(dataclasses.replace(config.TrainConfig(), tta=True, tta_shift=5))
 
 
+def test_a_length_flag_replaces_the_recipes_length_either_way():
+    from fashionjax.train_command import fresh_config
+
+    assert config.default("speedrun").steps is not None and config.default("deep").epochs is not None
+    by_epochs = config.validate(fresh_config({"model": "speedrun", "epochs": 2}))  # the short variant
+    assert (by_epochs.epochs, by_epochs.steps, by_epochs.schedule) == (2, None, "linear")
+    by_steps = config.validate(fresh_config({"model": "deep", "steps": 500}))
+    assert (by_steps.epochs, by_steps.steps) == (None, 500)
+    assert config.validate(fresh_config({"model": "deep"})).steps is None  # the recipe's own length
+
+
 def test_no_tta_turns_off_the_recipes_shifted_views_too():
     from fashionjax.train_command import fresh_config
 

@@ -69,11 +69,7 @@ def resumed_config(checkpoint_dir: Path, explicit: dict, note=lambda message: No
     if differences:
         raise checkpoint.ResumeError("cannot resume with a different config: " + ", ".join(differences))
     saved = TrainConfig(**meta["config"])
-    if "steps" in explicit:
-        explicit = dict(explicit, epochs=None)
-    elif "epochs" in explicit:
-        explicit = dict(explicit, steps=None)
-    return dataclasses.replace(saved, **explicit), meta
+    return dataclasses.replace(saved, **config_lib.one_length(explicit)), meta
 
 
 def train(config: TrainConfig, plan: Plan, dataset: data.Dataset, run_dir: RunDir, mesh, resume: bool = False,

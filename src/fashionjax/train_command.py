@@ -34,10 +34,10 @@ from fashionjax.signals import Interrupted, StopRequests, interruption
 
 
 def fresh_config(explicit: dict) -> TrainConfig:
-    """The model's recipe with the flags given on top. --steps replaces the recipe's epochs, and --no-tta
-    its shifted test views (views of the TTA it turns off), unless --tta-shift is given too."""
-    if "steps" in explicit:
-        explicit = dict(explicit, epochs=None)
+    """The model's recipe with the flags given on top. --steps replaces the recipe's epochs (and --epochs
+    its steps), and --no-tta its shifted test views (views of the TTA it turns off), unless --tta-shift
+    is given too."""
+    explicit = config_lib.one_length(explicit)
     if explicit.get("tta") is False and "tta_shift" not in explicit:
         explicit = dict(explicit, tta_shift=0)
     return dataclasses.replace(config_lib.default(explicit.get("model", "mlp")), **explicit)
