@@ -37,7 +37,8 @@ class TrainConfig:
     batch_size: int = _flag("global batch size (split over the devices)", 512)
     optimizer: str = _flag(f"one of {', '.join(OPTIMIZERS)}", "adamw", choices=OPTIMIZERS)
     lr: float = _flag("peak learning rate", 3e-3)
-    schedule: str = _flag(f"one of {', '.join(SCHEDULES)} (cosine and linear warm up, then decay to zero)", "cosine", choices=SCHEDULES)
+    schedule: str = _flag(f"one of {', '.join(SCHEDULES)} (cosine and linear warm up, then decay to zero)", "cosine",
+                          choices=SCHEDULES)
     warmup_steps: int = _flag("warm-up steps of the cosine and linear schedules", 100)
     weight_decay: float = _flag("decoupled weight decay", 1e-4)
     momentum: float = _flag("momentum (sgd; muon's convolution filters)", 0.9)
