@@ -69,6 +69,20 @@ def test_native_convolution_matches_im2col_and_its_gradients():
     assert "conv_general_dilated" in str(jax.make_jaxpr(functools.partial(layers.conv3x3_same, native=True))(x, w))
 
 
+def test_patches_matmul_gradients_by_hand():
+    # loss = sum((P @ W) * C): dL/dW = P^T C and dL/dP = C W^T, whatever form the backward pass takes
+    patches = jnp.array([[1.0, 2, 0], [0, -1, 3]])
+    weights = jnp.array([[1.0, 0], [2, 1], [-1, 4]])
+    upstream = jnp.array([[1.0, -2], [3, 0.5]])
+    grad_patches, grad_weights = jax.grad(lambda p, w: jnp.sum(layers.patches_matmul(p, w) * upstream),
+                                          argnums=(0, 1))(patches, weights)
+    np.testing.assert_array_equal(np.asarray(grad_weights), [[1, -2], [-1, -4.5], [9, 1.5]])
+    np.testing.assert_array_equal(np.asarray(grad_patches), [[1, 0, -9], [3, 6.5, -1]])
+    np.testing.assert_array_equal(np.asarray(layers.patches_matmul(patches, weights)), np.asarray(patches @ weights))
+    x = jnp.zeros((2, 4, 4, 3))  # a CPU's im2col convolution takes this path
+    assert "custom_vjp" in str(jax.make_jaxpr(layers.conv3x3_same)(x, jnp.zeros((3, 3, 3, 5))))
+
+
 def test_label_smoothing_loss_by_hand():
     logits = jnp.array([[math.log(3.0), 0.0]])  # softmax: [3/4, 1/4]
     smoothed = float(train.cross_entropy(logits, jnp.array([0]), 0.2)[0])  # targets [0.9, 0.1]
