@@ -199,7 +199,7 @@ def check_length(config: TrainConfig, plan: plan_lib.Plan, meta: dict) -> None:
         raise ResumeError(f"--steps {plan.total_steps} is below the checkpoint's step {meta['step']}: "
                           "a run cannot be shortened past where it is")
     saved = meta.get("plan")
-    if saved and config.schedule != "constant" and plan.total_steps != saved["schedule_steps"]:
+    if saved and config.decaying and plan.total_steps != saved["schedule_steps"]:
         raise ResumeError(
             f"the {config.schedule} schedule of this run is laid out for {saved['schedule_steps']} steps; running "
             f"{plan.total_steps} would change its learning rates (only constant-schedule runs can be extended)")

@@ -81,6 +81,11 @@ class TrainConfig:
     def __post_init__(self):  # a config read back from JSON holds lists: make the sweep hashable again
         object.__setattr__(self, "sweep", tuple((name, tuple(values)) for name, values in self.sweep))
 
+    @property
+    def decaying(self) -> bool:
+        """Whether the learning rate follows a schedule laid out over the run's length (not constant)."""
+        return self.schedule != "constant"
+
 
 def _require(condition: bool, message: str) -> None:
     if not condition:

@@ -30,14 +30,15 @@ def conv3x3_same(x, w, native: bool | None = None):
     """A 3x3 'SAME' convolution: (B, H, W, C) x (3, 3, C, K) -> (B, H, W, K), one matmul (im2col), or
     XLA's convolution where `native` (by default: on a GPU, for batches of GPU_CONV_MIN_BATCH or more)."""
     batch, height, width, channels = x.shape
+    backend = jax.default_backend()
     if native is None:
-        native = jax.default_backend() == "gpu" and batch >= GPU_CONV_MIN_BATCH
+        native = backend == "gpu" and batch >= GPU_CONV_MIN_BATCH
     if native:
         return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
     padded = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
     patches = jnp.concatenate(taps3x3(padded, height, width), axis=-1)  # (B, H, W, 9C)
     weights = w.reshape(9 * channels, -1)  # HWIO flattens in the same (i, j, c) order
-    if jax.default_backend() == "cpu":
+    if backend == "cpu":
         return patches_matmul(patches.reshape(-1, 9 * channels), weights).reshape(batch, height, width, -1)
     return patches @ weights
 

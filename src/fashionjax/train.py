@@ -49,7 +49,7 @@ def compute_dtype(name: str):
 
 def lr_schedule(config: TrainConfig, schedule_steps: int) -> Callable[[int], Any]:
     """The learning rate of each update (counted from 0): what the optimizer uses, for the logs too."""
-    if config.schedule == "constant":
+    if not config.decaying:
         return lambda count: config.lr
     warmup = min(config.warmup_steps, max(schedule_steps - 1, 0))
     if config.schedule == "linear":  # a straight line from the peak to zero at the last update
@@ -74,7 +74,7 @@ def make_optimizer(config: TrainConfig, schedule_steps: int) -> optax.GradientTr
 
         return optax.inject_hyperparams(build)(lr=config.lr, weight_decay=config.weight_decay,
                                                momentum=config.momentum)
-    learning_rate = lr_schedule(config, schedule_steps) if config.schedule != "constant" else config.lr
+    learning_rate = lr_schedule(config, schedule_steps) if config.decaying else config.lr
     return _optimizer(config, learning_rate, config.weight_decay, config.momentum)
 
 
