@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 from fashionjax import bench, cli
@@ -38,9 +39,17 @@ def test_unknown_gpu_gets_no_mfu():
     assert bench.peaks("gpu", "Mystery Accelerator", ("float32",))["flops_per_sec"] == {}
 
 
+def test_the_cpu_peak_probe_sums_bfloat16_products_in_float32():
+    # 1 + 2^-7 is exact in bfloat16 (8 significant bits); its square 1 + 2^-6 + 2^-14 is not: summed
+    # in float32 the 2^-14 survives, a bfloat16 result would round it away.
+    x = jnp.full((1, 1), 1 + 2**-7, jnp.bfloat16)
+    product = bench.peak_product(x, x)
+    assert product.dtype == jnp.float32 and float(product[0, 0]) == 1 + 2**-6 + 2**-14
+
+
 @pytest.mark.parametrize("env,why", [
     ({"backend": "cpu", "cpu_amx": True}, "XLA:CPU does not use them"),
-    ({"backend": "cpu", "cpu_amx": False}, "without native bfloat16 matrix units"),
+    ({"backend": "cpu", "cpu_amx": False}, "through float32 conversions"),
     ({"backend": "gpu"}, "launch overhead"),
 ])
 def test_a_slower_bfloat16_gets_the_reason_of_its_machine(env, why):
