@@ -101,7 +101,7 @@ def measure_cpu_peak(dtype: str, sizes=(512, 1024, 2048), repeats: int = 3) -> f
 
     Products are summed in float32 whatever the dtype: for bfloat16 that is the form XLA:CPU runs on
     the CPU's bfloat16 dot-product instructions. With a bfloat16 result it takes a slower path (AMD
-    EPYC, Zen 4 with AVX512-BF16: 409 against 176 GFLOP/s, float32 212), which would understate the
+    EPYC, Zen 4 with AVX512-BF16: 427 against 176 GFLOP/s, float32 213-217), which would understate the
     peak and so flatter bfloat16's MFU."""
     best = 0.0
     for n in sizes:
