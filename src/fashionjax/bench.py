@@ -92,17 +92,15 @@ def mfu(flops_per_example: int, examples_per_sec: float, peak_flops: float | Non
 
 
 def peak_product(x, y):
-    """The peak probe's matmul: summed in float32 whatever the dtype (measure_cpu_peak says why)."""
+    """The peak probe's matmul, summed in float32 whatever the dtype: for bfloat16 that is the form
+    XLA:CPU runs on the CPU's bfloat16 dot-product instructions. With a bfloat16 result it takes a
+    slower path (AMD EPYC, Zen 4 with AVX512-BF16: 427 against 176 GFLOP/s, float32 213-217), which
+    would understate the peak and so flatter bfloat16's MFU."""
     return jnp.matmul(x, y, preferred_element_type=jnp.float32)
 
 
 def measure_cpu_peak(dtype: str, sizes=(512, 1024, 2048), repeats: int = 3) -> float:
-    """Best matmul FLOP/s over a few square sizes: the 'measured' peak of this machine.
-
-    Products are summed in float32 whatever the dtype: for bfloat16 that is the form XLA:CPU runs on
-    the CPU's bfloat16 dot-product instructions. With a bfloat16 result it takes a slower path (AMD
-    EPYC, Zen 4 with AVX512-BF16: 427 against 176 GFLOP/s, float32 213-217), which would understate the
-    peak and so flatter bfloat16's MFU."""
+    """Best matmul FLOP/s (of `peak_product`) over a few square sizes: the 'measured' peak of this machine."""
     best = 0.0
     for n in sizes:
         a = jnp.ones((n, n), dtype=dtype)

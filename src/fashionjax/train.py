@@ -74,6 +74,8 @@ def make_optimizer(config: TrainConfig, schedule_steps: int) -> optax.GradientTr
 
         return optax.inject_hyperparams(build)(lr=config.lr, weight_decay=config.weight_decay,
                                                momentum=config.momentum)
+    # A constant rate goes to optax as a plain number, not as lr_schedule's constant function: a
+    # function would add a step count to the optimizer state, which older checkpoints lack.
     learning_rate = lr_schedule(config, schedule_steps) if config.decaying else config.lr
     return _optimizer(config, learning_rate, config.weight_decay, config.momentum)
 
