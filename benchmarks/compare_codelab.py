@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     images = distributed.put_replicated(dataset.train.images_u8.reshape(60000, -1), mesh)
     labels = distributed.put_replicated(dataset.train.labels, mesh)
     work = bench.Workload(TrainConfig(schedule="constant", batch_size=BATCH_SIZE), images, labels, mesh)
-    _, fused_run, fused_steps = bench.fused_runner(work, args.steps)
+    _, fused_run, fused_steps, _ = bench.fused_runner(work, args.steps)
     codelab = CodelabLoop(dataset.train.images_u8, dataset.train.labels)
 
     fused_run()  # warm-up (the codelab loop warmed up in its constructor, as the codelab does)

@@ -114,6 +114,18 @@ def test_bench_runs_only_the_modes_and_member_counts_asked_for(tmp_path, synthet
     assert document["peak"]["flops_per_sec"] == {"float32": 3e11}  # the higher: MFU is never flattered
     fused = document["cases"][1]
     assert fused["mfu"] == pytest.approx(fused["achieved_flops_per_sec"] / 3e11)
+    assert (document["cases"][0]["chunk_steps"], fused["chunk_steps"]) == (1, 2)  # capped at the bench's steps
+
+
+@pytest.mark.slow
+def test_fused_bench_runs_the_chunks_the_recipe_trains_in(tmp_path, synthetic_cli, monkeypatch, capsys):
+    # The speedrun recipe trains in 100-step chunks (the codelab's, and the default, are 25 steps).
+    monkeypatch.setattr(bench, "measure_cpu_peak", lambda dtype: 1e11)
+    code = cli.main(["bench", "--model", "speedrun", "--modes", "fused", "--batch-sizes", "16", "--dtypes", "float32",
+                     "--steps", "150", "--repeats", "1", "--members", "1", "--out", str(tmp_path / "b"), "--json"])
+    assert code == 0
+    [case] = json.loads(capsys.readouterr().out)["cases"]
+    assert (case["chunk_steps"], case["steps"]) == (config_lib.default("speedrun").log_every, 100) == (100, 100)
 
 
 def test_bench_bad_flags_exit_2(tmp_path, capsys):

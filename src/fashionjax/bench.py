@@ -167,9 +167,10 @@ def _timed(run: Callable[[], tuple], repeats: int, examples_per_run: int) -> tup
 
 
 def fused_runner(work: Workload, steps: int):
-    """The trainer's scanned chunks; returns (compile_seconds, run) with run() -> host metrics."""
+    """The trainer's scanned chunks, as long as the model's recipe makes them (--log-every); returns
+    (compile_seconds, run, steps per run, steps per chunk) with run() -> host metrics."""
     state, step_fn = work.fresh()
-    plan = work.plan(min(CODELAB_LOG_EVERY, steps))
+    plan = work.plan(min(work.config.log_every, steps))
     chunk_steps, count = plan.log_every, plan.perms_per_chunk
     keys = train.chunk_keys(plan, work.mesh)
     epoch, perms = train.place_orders(keys["data"], 0, count, plan.num_examples, work.mesh)
@@ -193,7 +194,7 @@ def fused_runner(work: Workload, steps: int):
         jax.block_until_ready((holder["state"], metrics))
         return distributed.fetch(metrics)
 
-    return compile_seconds, run, (steps // chunk_steps) * chunk_steps
+    return compile_seconds, run, (steps // chunk_steps) * chunk_steps, chunk_steps
 
 
 def per_step_runner(work: Workload, steps: int, jit: bool):
@@ -225,21 +226,21 @@ def per_step_runner(work: Workload, steps: int, jit: bool):
         jax.block_until_ready((holder["state"], metrics))
         return {key: np.asarray(value)[None] for key, value in distributed.fetch(metrics).items()}
 
-    return compile_seconds, run, steps
+    return compile_seconds, run, steps, 1
 
 
 def measure(work: Workload, mode: str, steps: int, repeats: int) -> dict:
     """One benchmark case: compile apart, warm up, R timed repeats, with quality beside speed."""
     if mode == "fused":
-        compile_seconds, run, steps_run = fused_runner(work, steps)
+        compile_seconds, run, steps_run, chunk_steps = fused_runner(work, steps)
     else:
-        compile_seconds, run, steps_run = per_step_runner(work, steps, jit=(mode == "jit-step"))
+        compile_seconds, run, steps_run, chunk_steps = per_step_runner(work, steps, jit=(mode == "jit-step"))
     members = config_lib.member_count(work.config)
     rates, metrics = _timed(run, repeats, steps_run * work.config.batch_size * members)  # model-examples
     last_losses = np.asarray(metrics["loss"]).reshape(members, -1)[:, -1]
     return {
         "mode": mode, "dtype": work.config.dtype, "batch_size": work.config.batch_size,
-        "steps": steps_run, "repeats": repeats, "compile_seconds": compile_seconds,
+        "steps": steps_run, "chunk_steps": chunk_steps, "repeats": repeats, "compile_seconds": compile_seconds,
         "examples_per_sec": spread(rates),
         "final_loss": float(last_losses.mean()),
         "final_accuracy": float(metrics["accuracy"].mean()),
