@@ -41,6 +41,30 @@ def test_odd_and_signed_pooling_by_hand():
     np.testing.assert_array_equal(np.asarray(signed).ravel(), [3, 4, 2, 5])
 
 
+def test_pooling_gradient_goes_to_each_windows_first_maximum():
+    x = jnp.array([[1.0, 7, 5, 5, 0],
+                   [7, 2, 5, 5, 0],
+                   [3, 0, 2, 2, 9],
+                   [1, 4, 2, 2, 9]]).reshape(1, 4, 5, 1)
+    upstream = jnp.array([[10.0, 20, 30], [40, 50, 60]]).reshape(1, 2, 3, 1)  # one number per window
+    grad = jax.grad(lambda x: jnp.sum(layers.max_pool2x2(x) * upstream))(x)
+    # A tie (7 and 7; four 5s; four 2s) sends the whole gradient to the first maximum in row order,
+    # not a share to each; a padded odd edge (9 over 9) passes it to the first of its real pixels.
+    np.testing.assert_array_equal(np.asarray(grad[0, :, :, 0]), [[0, 10, 20, 0, 30],
+                                                                [0, 0, 0, 0, 0],
+                                                                [0, 0, 50, 0, 60],
+                                                                [0, 40, 0, 0, 0]])
+    # Without ties it is the gradient of the maximum itself.
+    untied = jax.random.normal(jax.random.key(0), (2, 6, 4, 3))
+    np.testing.assert_array_equal(
+        np.asarray(jax.grad(lambda x: jnp.sum(layers.max_pool2x2(x) * 1.5))(untied)),
+        np.asarray(jax.grad(lambda x: jnp.sum(x.reshape(2, 3, 2, 2, 2, 3).max(axis=(2, 4)) * 1.5))(untied)))
+    # The first layer's signed pooling routes each sign's gradient the same way: a uniform plane's
+    # maximum and its negation's both sit first in the top-left corner.
+    signed_grad = jax.grad(lambda p: jnp.sum(layers.signed_max_pool2x2_planes(p) * jnp.array([1.0, 10.0])))
+    np.testing.assert_array_equal(np.asarray(signed_grad(jnp.full((1, 1, 2, 2), 2.0))[0, 0]), [[1 - 10, 0], [0, 0]])
+
+
 def test_planar_convolution_matches_im2col():
     images = jax.random.normal(jax.random.key(0), (2, 6, 5))
     w = jax.random.normal(jax.random.key(1), (3, 3, 1, 4))

@@ -9,6 +9,8 @@ batches is the exception: there cuDNN's convolutions win.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -73,7 +75,48 @@ def max_pool2x2(x):
     if height % 2 or width % 2:
         x = jnp.pad(x, ((0, 0), (0, height % 2), (0, width % 2), (0, 0)), constant_values=-jnp.inf)
         height, width = height + height % 2, width + width % 2
-    return x.reshape(batch, height // 2, 2, width // 2, 2, channels).max(axis=(2, 4))
+    return window_max(x.reshape(batch, height // 2, 2, width // 2, 2, channels))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def window_max(blocks, row_axis: int = 2):
+    """The maximum of each 2x2 window of blocks laid out (..., H, 2, W, 2, ...), with the window's
+    rows on `row_axis` and its columns two axes later; its gradient goes to the window's first
+    maximum in row order (as PyTorch's max pooling routes it).
+
+    JAX's own rule splits the gradient among tied maxima, and ties are common here (a uniform
+    background gives equal responses): it counts them per window, a reduction and a pass of its own
+    that made the speedrun net's training step 3.5-6.8% slower (docs/speedrun.md, "Max pooling's
+    gradient to the first maximum"). Either is a valid subgradient."""
+    return blocks.max(axis=(row_axis, row_axis + 2))
+
+
+def _window_max_fwd(blocks, row_axis):
+    maxima = blocks.max(axis=(row_axis, row_axis + 2))
+    return maxima, (blocks, maxima)
+
+
+def _window_max_bwd(row_axis, saved, grad):
+    blocks, maxima = saved
+    unclaimed, rows = grad, []
+    for i in (0, 1):
+        row = []
+        for j in (0, 1):
+            hit = corner(blocks, row_axis, i, j) == maxima
+            row.append(jnp.where(hit, unclaimed, 0))
+            unclaimed = jnp.where(hit, 0, unclaimed)
+        rows.append(jnp.stack(row, axis=row_axis + 1))
+    return (jnp.stack(rows, axis=row_axis),)
+
+
+def corner(blocks, row_axis: int, i: int, j: int):
+    """The (i, j) corner of every 2x2 window: blocks without the two window axes."""
+    index = [slice(None)] * blocks.ndim
+    index[row_axis], index[row_axis + 2] = i, j
+    return blocks[tuple(index)]
+
+
+window_max.defvjp(_window_max_fwd, _window_max_bwd)
 
 
 def conv3x3_same_planes(images, w):
@@ -93,7 +136,7 @@ def signed_max_pool2x2_planes(planes):
     negation, channels last (K filters and their negated twins, for the price of K)."""
     count, batch, height, width = planes.shape
     blocks = planes.reshape(count, batch, height // 2, 2, width // 2, 2)
-    return jnp.concatenate([blocks.max(axis=(3, 5)), (-blocks).max(axis=(3, 5))]).transpose(1, 2, 3, 0)
+    return jnp.concatenate([window_max(blocks, 3), window_max(-blocks, 3)]).transpose(1, 2, 3, 0)
 
 
 def batch_norm(x, bias, running: dict, train: bool, momentum: float, eps: float = 1e-5):
