@@ -85,9 +85,10 @@ def window_max(blocks, row_axis: int = 2):
     maximum in row order (as PyTorch's max pooling routes it).
 
     JAX's own rule splits the gradient among tied maxima, and ties are common here (a uniform
-    background gives equal responses): it counts them per window, a reduction and a pass of its own
-    that made the speedrun net's training step 3.5-6.8% slower (docs/speedrun.md, "Max pooling's
-    gradient to the first maximum"). Either is a valid subgradient."""
+    background gives equal responses): it counts them per window, a reduction and a pass of its own.
+    Routing to the first maximum trained the speedrun net 3.6-6.8% faster (docs/speedrun.md, "A
+    narrower hidden layer, and max pooling's gradient to the first maximum"). Both are valid
+    subgradients; they differ only at ties."""
     return blocks.max(axis=(row_axis, row_axis + 2))
 
 
@@ -102,14 +103,14 @@ def _window_max_bwd(row_axis, saved, grad):
     for i in (0, 1):
         row = []
         for j in (0, 1):
-            hit = corner(blocks, row_axis, i, j) == maxima
+            hit = _corner(blocks, row_axis, i, j) == maxima
             row.append(jnp.where(hit, unclaimed, 0))
             unclaimed = jnp.where(hit, 0, unclaimed)
         rows.append(jnp.stack(row, axis=row_axis + 1))
     return (jnp.stack(rows, axis=row_axis),)
 
 
-def corner(blocks, row_axis: int, i: int, j: int):
+def _corner(blocks, row_axis: int, i: int, j: int):
     """The (i, j) corner of every 2x2 window: blocks without the two window axes."""
     index = [slice(None)] * blocks.ndim
     index[row_axis], index[row_axis + 2] = i, j
