@@ -37,17 +37,17 @@ def main(argv=None) -> int:
     images = distributed.put_replicated(dataset.train.images_u8.reshape(60000, -1), mesh)
     labels = distributed.put_replicated(dataset.train.labels, mesh)
     work = bench.Workload(TrainConfig(schedule="constant", batch_size=BATCH_SIZE), images, labels, mesh)
-    _, fused_run, fused_steps, _ = bench.fused_runner(work, args.steps)
+    fused = bench.fused_runner(work, args.steps)
     codelab = CodelabLoop(dataset.train.images_u8, dataset.train.labels)
 
-    fused_run()  # warm-up (the codelab loop warmed up in its constructor, as the codelab does)
+    fused.run()  # warm-up (the codelab loop warmed up in its constructor, as the codelab does)
     codelab.run(args.steps)
     codelab_rates, fused_rates, fused_loss = [], [], None
     for _ in range(args.repeats):
         codelab_rates.append(codelab.run(args.steps))
         tic = time.perf_counter()
-        metrics = fused_run()
-        fused_rates.append(fused_steps * BATCH_SIZE / (time.perf_counter() - tic))
+        metrics = fused.run()
+        fused_rates.append(fused.steps * BATCH_SIZE / (time.perf_counter() - tic))
         fused_loss = float(metrics["loss"][-1])
 
     result = {

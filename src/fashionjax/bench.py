@@ -12,6 +12,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -166,9 +167,16 @@ def _timed(run: Callable[[], tuple], repeats: int, examples_per_run: int) -> tup
     return rates, metrics
 
 
-def fused_runner(work: Workload, steps: int):
-    """The trainer's scanned chunks, as long as the model's recipe makes them (--log-every); returns
-    (compile_seconds, run, steps per run, steps per chunk) with run() -> host metrics."""
+class Runner(NamedTuple):
+    """A benchmark loop, compiled and ready: run() trains `steps` steps and returns their host metrics."""
+    compile_seconds: float
+    run: Callable[[], dict]
+    steps: int  # per run
+    chunk_steps: int  # steps per compiled call: 1 for the per-step loops
+
+
+def fused_runner(work: Workload, steps: int) -> Runner:
+    """The trainer's scanned chunks, as long as the model's recipe makes them (--log-every)."""
     state, step_fn = work.fresh()
     plan = work.plan(min(work.config.log_every, steps))
     chunk_steps, count = plan.log_every, plan.perms_per_chunk
@@ -194,10 +202,10 @@ def fused_runner(work: Workload, steps: int):
         jax.block_until_ready((holder["state"], metrics))
         return distributed.fetch(metrics)
 
-    return compile_seconds, run, (steps // chunk_steps) * chunk_steps, chunk_steps
+    return Runner(compile_seconds, run, (steps // chunk_steps) * chunk_steps, chunk_steps)
 
 
-def per_step_runner(work: Workload, steps: int, jit: bool):
+def per_step_runner(work: Workload, steps: int, jit: bool) -> Runner:
     """The codelab's loop: one step per Python iteration, a host read every 25 steps."""
     state, step_fn = work.fresh()
     plan = work.plan(CODELAB_LOG_EVERY)
@@ -226,21 +234,19 @@ def per_step_runner(work: Workload, steps: int, jit: bool):
         jax.block_until_ready((holder["state"], metrics))
         return {key: np.asarray(value)[None] for key, value in distributed.fetch(metrics).items()}
 
-    return compile_seconds, run, steps, 1
+    return Runner(compile_seconds, run, steps, 1)
 
 
 def measure(work: Workload, mode: str, steps: int, repeats: int) -> dict:
     """One benchmark case: compile apart, warm up, R timed repeats, with quality beside speed."""
-    if mode == "fused":
-        compile_seconds, run, steps_run, chunk_steps = fused_runner(work, steps)
-    else:
-        compile_seconds, run, steps_run, chunk_steps = per_step_runner(work, steps, jit=(mode == "jit-step"))
+    runner = fused_runner(work, steps) if mode == "fused" else per_step_runner(work, steps, jit=(mode == "jit-step"))
     members = config_lib.member_count(work.config)
-    rates, metrics = _timed(run, repeats, steps_run * work.config.batch_size * members)  # model-examples
+    rates, metrics = _timed(runner.run, repeats, runner.steps * work.config.batch_size * members)  # model-examples
     last_losses = np.asarray(metrics["loss"]).reshape(members, -1)[:, -1]
     return {
         "mode": mode, "dtype": work.config.dtype, "batch_size": work.config.batch_size,
-        "steps": steps_run, "chunk_steps": chunk_steps, "repeats": repeats, "compile_seconds": compile_seconds,
+        "steps": runner.steps, "chunk_steps": runner.chunk_steps, "repeats": repeats,
+        "compile_seconds": runner.compile_seconds,
         "examples_per_sec": spread(rates),
         "final_loss": float(last_losses.mean()),
         "final_accuracy": float(metrics["accuracy"].mean()),
