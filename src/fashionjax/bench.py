@@ -156,8 +156,8 @@ class Workload:
         return plan_lib.resolve(config, int(self.images_u8.shape[0]), int(self.mesh.devices.size))
 
 
-def _timed(run: Callable[[], tuple], repeats: int, examples_per_run: int) -> tuple[list[float], dict]:
-    """Warm up once, then time `repeats` runs; `run` returns (state..., metrics) already fenced."""
+def _timed(run: Callable[[], dict], repeats: int, examples_per_run: int) -> tuple[list[float], dict]:
+    """Warm up once, then time `repeats` runs; `run` returns the host metrics of a run it has fenced."""
     run()  # warm-up
     rates, metrics = [], None
     for _ in range(repeats):
