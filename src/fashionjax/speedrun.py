@@ -93,8 +93,8 @@ def run(args, explicit: dict, out, stops, train_one) -> dict:
             try:
                 summary = train_one(seed_arguments(args, run_dir, resume), {} if resume else seed_config, out, stops)
             except Interrupted as stop:
-                stop.outcome = (f"seed {seed}: {stop.outcome or 'stopped'}; or run the same speedrun command again: "
-                                "it keeps the finished seeds and resumes this one")
+                stop.outcome = (f"seed {seed}: {stop.outcome or 'stopped'}; to finish every seed, run the same "
+                                "speedrun command again (it keeps the seeds that finished and goes on from here)")
                 raise
         rows.append(seed_row(summary, args.target))
     return write(out_dir, rows, args.target, summary)
