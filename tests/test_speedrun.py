@@ -32,6 +32,28 @@ def test_batch_norm_by_hand():
     assert same is running
 
 
+def test_batch_norm_with_a_trained_scale_by_hand():
+    x = jnp.array([1.0, 3.0, 5.0, 7.0]).reshape(4, 1)  # mean 4, variance 5, as above
+    running = {"mean": jnp.array([2.0]), "var": jnp.array([1.0])}
+    y, _ = layers.batch_norm(x, jnp.array([0.5]), running, train=True, momentum=0.9, eps=0.0, scale=jnp.array([3.0]))
+    np.testing.assert_allclose(np.asarray(y[:, 0]), 3 * (np.array([1, 3, 5, 7]) - 4) / math.sqrt(5) + 0.5, rtol=1e-6)
+    y_eval, _ = layers.batch_norm(x, jnp.array([0.0]), running, train=False, momentum=0.9, eps=0.0, scale=jnp.array([2.0]))
+    np.testing.assert_allclose(np.asarray(y_eval[:, 0]), [-2, 2, 6, 10])  # 2 * (x - 2) / 1
+
+
+def test_deep_trains_a_scale_in_each_batch_norm_and_speedrun_keeps_it_at_one():
+    deep = models.get("deep").init(jax.random.key(0))
+    convs = list(deep["stats"])
+    assert all(np.array_equal(deep[name]["scale"], np.ones_like(deep[name]["bias"])) for name in convs)
+    assert all(train.trained_mask(deep)[name]["scale"] for name in convs)  # the optimizer updates it
+    assert not any("scale" in leaf for leaf in models.get("speedrun").init(jax.random.key(0)).values())
+    # A scale multiplies each channel after normalization: doubling conv0's changes the logits
+    images = jnp.asarray(np.random.default_rng(0).random((4, 784)), jnp.float32)
+    doubled = {**deep, "conv0": {**deep["conv0"], "scale": 2 * deep["conv0"]["scale"]}}
+    model = models.get("deep")
+    assert not np.allclose(np.asarray(model.apply(deep, images)), np.asarray(model.apply(doubled, images)))
+
+
 def test_odd_and_signed_pooling_by_hand():
     pooled = layers.max_pool2x2(jnp.arange(9.0).reshape(1, 3, 3, 1))
     np.testing.assert_array_equal(np.asarray(pooled[0, :, :, 0]), [[4, 5], [7, 8]])  # the odd edge is kept

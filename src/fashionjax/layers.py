@@ -140,8 +140,9 @@ def signed_max_pool2x2_planes(planes):
     return jnp.concatenate([window_max(blocks, 3), window_max(-blocks, 3)]).transpose(1, 2, 3, 0)
 
 
-def batch_norm(x, bias, running: dict, train: bool, momentum: float, eps: float = 1e-5):
-    """Batch norm with a fixed unit scale and a trainable bias (as airbench does); returns (y, running').
+def batch_norm(x, bias, running: dict, train: bool, momentum: float, eps: float = 1e-5, scale=None):
+    """Batch norm with a trainable bias and a fixed unit scale (as airbench does), or a trainable
+    per-channel scale where one is given; returns (y, running').
 
     In training the batch's own statistics normalize and are folded into the running averages
     (running' = momentum * running + (1 - momentum) * batch); in evaluation the running averages
@@ -155,5 +156,6 @@ def batch_norm(x, bias, running: dict, train: bool, momentum: float, eps: float 
                    "var": momentum * running["var"] + (1 - momentum) * jax.lax.stop_gradient(var)}
     else:
         mean, var = running["mean"], running["var"]
-    y = (x32 - mean) * jax.lax.rsqrt(var + eps) + bias
+    normalized = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    y = normalized + bias if scale is None else normalized * scale + bias
     return y.astype(x.dtype), running

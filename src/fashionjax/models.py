@@ -179,6 +179,7 @@ class ConvNet:
     filters: tuple[int, ...]  # filters each convolution computes
     pools: tuple[bool, ...]  # whether each convolution after the first is pooled
     hidden: int = 256
+    scaled_norm: bool = False  # each batch norm also trains a per-channel scale (from 1)
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -212,6 +213,8 @@ class ConvNet:
         for i, (k, fan_in, filters, width) in enumerate(zip(keys, self.fan_ins, self.filters, self.widths, strict=False)):
             params[f"conv{i}"] = {"w": _he_normal(k, (3, 3, fan_in // 9, filters), fan_in),
                                   "bias": jnp.zeros((width,), jnp.float32)}
+            if self.scaled_norm:
+                params[f"conv{i}"]["scale"] = jnp.ones((width,), jnp.float32)
             params["stats"][f"conv{i}"] = {"mean": jnp.zeros((width,), jnp.float32),
                                            "var": jnp.ones((width,), jnp.float32)}
         params["dense"] = {"w": _he_normal(keys[-2], (self.flat, self.hidden), self.flat),
@@ -225,7 +228,8 @@ class ConvNet:
         stats = {}
 
         def normed(x, name):
-            x, stats[name] = layers.batch_norm(x, params[name]["bias"], params["stats"][name], train, BN_MOMENTUM)
+            x, stats[name] = layers.batch_norm(x, params[name]["bias"], params["stats"][name], train, BN_MOMENTUM,
+                                               scale=params[name]["scale"] if self.scaled_norm else None)
             return jax.nn.relu(x)
 
         def weights(name):
@@ -277,7 +281,9 @@ SPEEDRUN = ConvNet(filters=(9, 48, 48, 128), pools=(False, True, True), hidden=1
 # The best-accuracy recipe's network: the same first layer, three 64-wide convolutions at 14x14 and
 # 128 at 7x7; 123.99 MFLOP of training per example. A third 14x14 convolution lifted seed 0 more
 # than twice the width did at about three quarters of its FLOPs (docs/speedrun.md, "Toward 95%").
-DEEP = ConvNet(filters=(9, 64, 64, 64, 128), pools=(False, False, True, True))
+# Its batch norms train a scale too: that lifted each of seeds 0-2 (by 0.03-0.15) for no measurable
+# time, where in the record it did not help (docs/speedrun.md, "A trainable scale in deep").
+DEEP = ConvNet(filters=(9, 64, 64, 64, 128), pools=(False, False, True, True), scaled_norm=True)
 
 
 REGISTRY: dict[str, Model] = {
