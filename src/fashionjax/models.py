@@ -264,7 +264,8 @@ class ConvNet:
     def model(self, name: str) -> Model:
         return Model(name, self.init, self.apply, _train_flops(self.macs()),
                      description=f"3x3 convs ({'-'.join(map(str, self.widths))}) at sides "
-                                 f"{'-'.join(map(str, self.sides[:-1]))}, each batch-normed, "
+                                 f"{'-'.join(map(str, self.sides[:-1]))}, each batch-normed"
+                                 f"{' (trained scale)' if self.scaled_norm else ''}, "
                                  f"dense({self.hidden})-10, ReLU",
                      apply_train=self.apply_train, whitening=self.whitening, whitened=("conv0", "w"),
                      whitened_grad_flops=2 * self.macs()[0])
