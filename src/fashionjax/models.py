@@ -229,7 +229,7 @@ class ConvNet:
 
         def normed(x, name):
             x, stats[name] = layers.batch_norm(x, params[name]["bias"], params["stats"][name], train, BN_MOMENTUM,
-                                               scale=params[name]["scale"] if self.scaled_norm else None)
+                                               scale=params[name].get("scale"))  # present where init gave one
             return jax.nn.relu(x)
 
         def weights(name):
