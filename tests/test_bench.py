@@ -48,7 +48,7 @@ def test_the_cpu_peak_probe_sums_bfloat16_products_in_float32():
 
 
 @pytest.mark.parametrize("env,why", [
-    ({"backend": "cpu", "cpu_amx": True}, "XLA:CPU does not use them"),
+    ({"backend": "cpu", "cpu_amx": True}, "uses them only for products summed in float32"),
     ({"backend": "cpu", "cpu_amx": False}, "through float32 conversions"),
     ({"backend": "gpu"}, "launch overhead"),
 ])
