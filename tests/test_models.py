@@ -108,6 +108,6 @@ def test_the_deep_recipe_is_the_speedrun_recipe_longer_shifted_and_cosine():
     deep, speedrun = config.default("deep"), config.default("speedrun")
     assert (deep.model, deep.epochs, deep.steps, deep.schedule) == ("deep", 12, None, "cosine")
     assert (deep.focus, deep.max_shift, deep.tta_shift) == (0.5, 1, 1)
-    assert (speedrun.steps, speedrun.epochs, speedrun.schedule, speedrun.max_shift) == (14_000, None, "linear", 0)
+    assert (speedrun.steps, speedrun.epochs, speedrun.schedule, speedrun.max_shift) == (20_000, None, "linear", 0)
     assert dataclasses.replace(deep, model="speedrun", epochs=None, steps=speedrun.steps, schedule="linear",
                                max_shift=0) == speedrun
