@@ -14,7 +14,8 @@ import numpy as np
 import optax
 import pytest
 
-from fashionjax import augment, cli, config, evaluate, layers, models, speedrun, train
+from fashionjax import augment, blend, cli, config, evaluate, layers, models, speedrun, train
+from fashionjax.report import render
 
 TINY = config.TrainConfig(model="speedrun", steps=8, batch_size=64, log_every=4, warmup_steps=2,
                           augment=True, max_shift=0, label_smoothing=0.1)
@@ -494,3 +495,70 @@ def test_a_run_with_ema_is_scored_with_the_average_and_the_current_statistics(sm
     plain = train.fit(TINY, small_dataset.train.images_u8, small_dataset.train.labels)
     assert train.params_digest(plain.state.params) == train.params_digest(result.state.params)
     assert train.evaluated_params(TINY, plain.state) is plain.state.params
+
+
+def test_blend_is_the_weighted_mean_of_the_probabilities_by_hand():
+    first = np.array([[0.6, 0.4], [0.2, 0.8]])
+    second = np.array([[0.0, 1.0], [0.5, 0.5]])
+    np.testing.assert_allclose(blend.combine([first, second], [1.0, 0.5]), [[0.4, 0.6], [0.3, 0.7]])
+    # image 0 (label 0) is right alone, wrong once the second run's certainty weighs in
+    assert blend.accuracy(blend.combine([first, second], [1.0, 0.5]), np.array([0, 1])) == 0.5
+    assert blend.accuracy(first, np.array([0, 1])) == 1.0
+
+
+def test_speedrun_blend_scores_each_seed_with_the_same_seed_of_another_record(tmp_path, synthetic_cli, capsys,
+                                                                              small_speedrun):
+    seeds = ["--seeds", "2", "--seed", "3"]
+    partner = ["speedrun", "--model", "mlp", "--steps", "6", "--batch-size", "64", *seeds, "--json",
+               "--out", str(tmp_path / "mlp")]
+    assert cli.main(partner) == 0
+    mlp = json.loads(capsys.readouterr().out)
+    own = ["speedrun", "--steps", "4", "--batch-size", "64", *seeds, "--target", "0.3", "--json"]
+    assert cli.main([*own, "--out", str(tmp_path / "alone")]) == 0
+    alone = json.loads(capsys.readouterr().out)
+
+    def blended(weight: str) -> dict:
+        assert cli.main([*own, "--out", str(tmp_path / "alone"), "--blend", str(tmp_path / "mlp"),
+                         "--blend-weight", weight]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    document = blended("0.5")
+    assert document["blend"]["model"] == "mlp" and document["blend"]["weight"] == 0.5
+    assert document["train_flops_per_run"] == alone["train_flops_per_run"] + mlp["train_flops_per_run"]
+    for row, own_row, mlp_row in zip(document["per_seed"], alone["per_seed"], mlp["per_seed"], strict=True):
+        parts = row["blend"]
+        assert [part["model"] for part in parts] == ["speedrun", "mlp"] and [p["seed"] for p in parts] == [row["seed"]] * 2
+        assert [part["weight"] for part in parts] == [1.0, 0.5]
+        assert row["train_seconds"] == own_row["train_seconds"] + mlp_row["train_seconds"]  # kept, not retrained
+        assert [part["test_accuracy"] for part in parts] == pytest.approx(
+            [own_row["test_accuracy"], mlp_row["test_accuracy"]], abs=2 / 500)  # each scored as its run scores it
+        assert row["reached_target"] == (row["test_accuracy"] >= 0.3)
+    saved = json.loads((tmp_path / "alone" / "speedrun.json").read_text())
+    assert saved["per_seed"] == document["per_seed"]
+    assert "blended with <code>mlp</code>" in (tmp_path / "alone" / "speedrun.html").read_text()
+    del saved["blend"]  # a record written before --blend still renders
+    (tmp_path / "alone" / "speedrun.json").write_text(json.dumps(saved))
+    assert "blended" not in render.render_speedrun(tmp_path / "alone").read_text()
+    # a weight that drowns one run out leaves the other's accuracy: the weight reaches the probabilities
+    for weight, which in (("1e-9", 0), ("1e9", 1)):
+        for row in blended(weight)["per_seed"]:
+            assert row["test_accuracy"] == row["blend"][which]["test_accuracy"]
+            assert row["test_accuracy_no_tta"] == row["blend"][which]["test_accuracy_no_tta"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--blend-weight", "0.5"], "--blend-weight weighs the runs of --blend"),
+    (["--blend", "{partner}", "--blend-weight", "0"], "--blend-weight must be a positive"),
+    (["--blend", "{partner}", "--seeds", "2"], "no finished run of seed 1"),
+    (["--blend", "{out}"], "that is this speedrun's own --out"),
+])
+def test_speedrun_blend_refuses_what_it_cannot_score_before_training(tmp_path, synthetic_cli, capsys, small_speedrun,
+                                                                     flags, message):
+    paths = {"partner": tmp_path / "partner", "out": tmp_path / "record"}
+    (paths["partner"] / "seed-0").mkdir(parents=True)  # a record holding seed 0 alone
+    (paths["partner"] / "seed-0" / "summary.json").write_text(json.dumps({"model": "mlp"}))
+    flags = [flag.format(**paths) for flag in flags]
+    base = ["speedrun", "--steps", "4", "--batch-size", "64", "--seeds", "1", "--json"]
+    assert cli.main([*base, "--out", str(paths["out"]), *flags]) == 2
+    assert message in json.loads(capsys.readouterr().out)["error"]["message"]
+    assert not paths["out"].exists()  # refused before anything trained

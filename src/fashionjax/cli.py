@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -170,6 +171,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     speedrun_cmd.add_argument("--target", type=float, default=0.94,
                               help="test accuracy a seed must reach (default 0.94)")
     speedrun_cmd.add_argument("--out", help="output directory (default runs/speedrun-<UTC time>)")
+    speedrun_cmd.add_argument("--blend", metavar="OUT2",
+                              help="score each seed together with OUT2's run of the same seed (another speedrun's "
+                                   "output): the mean of their probabilities, and both runs' training time")
+    speedrun_cmd.add_argument("--blend-weight", type=float,
+                              help="--blend: the weight of OUT2's probabilities against this run's 1 (default 1)")
     _config_flags(speedrun_cmd, config_lib.default(speedrun_model), skip=("seeds",))  # its own --seeds: one run each
     speedrun_cmd.add_argument("--devices", type=_devices, default="all", help="how many local devices to use, or 'all'")
     _data_flags(speedrun_cmd)
@@ -296,6 +302,11 @@ def cmd_speedrun(args, out, stops: StopRequests) -> int:
         raise ConfigError(f"--seeds must be at least 1 and end at seed {config_lib.MAX_SEED} or below, got {args.seeds}")
     if not 0 < args.target <= 1:
         raise ConfigError(f"--target is a fraction of the test set in (0, 1], got {args.target}")
+    if args.blend_weight is not None and not args.blend:
+        raise ConfigError("--blend-weight weighs the runs of --blend: add --blend OUT2")
+    args.blend_weight = 1.0 if args.blend_weight is None else args.blend_weight
+    if not (math.isfinite(args.blend_weight) and args.blend_weight > 0):
+        raise ConfigError(f"--blend-weight must be a positive finite number, got {args.blend_weight}")
     document = speedrun.run(args, explicit, out, stops, train_command.run)
     console.show_speedrun(out, document)
     out.document(document)

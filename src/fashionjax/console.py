@@ -277,7 +277,14 @@ def show_speedrun(out: Output, document: dict) -> None:
              "yes" if row["reached_target"] else "no")
             for row in document["per_seed"]]
     columns = ["seed", "test accuracy", *(["without TTA"] if tta else []), "train s", "compile s", "reached"]
-    out.show(table(f"speedrun: {document['model']}", columns, rows))
+    blend = document["blend"]
+    out.show(table(f"speedrun: {document['model']}" + (f" + {blend['model']}" if blend else ""), columns, rows))
+    if blend:
+        out.show(f"each seed blended with its run in {blend['out']} at weight {blend['weight']:g} against 1:")
+        for row in document["per_seed"]:
+            out.show(f"seed {row['seed']}: " + "; ".join(
+                f"{part['model']} alone {figures.percent(part['test_accuracy'])} in "
+                f"{figures.number(part['train_seconds'], 1)} s" for part in row["blend"]))
     median = document["median_seconds_to_target"]
     target = figures.percent(document["target"])
     def spread(std: float) -> str:  # one seed has none to show

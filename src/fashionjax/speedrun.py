@@ -4,6 +4,9 @@ seed, the mean and spread, how many reached the target and how fast.
 Each seed is an ordinary run directory (OUT/seed-S) trained by the train command's own code, so
 locks, signals, checkpoints and resume behave exactly as there. Running the same command again
 keeps the seeds that finished and resumes the ones that were interrupted.
+
+With --blend OUT2 each seed is scored together with OUT2's run of the same seed (another speedrun's
+output, of any recipe): the record is then the blend's accuracy and both runs' training.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import math
 import statistics
 from pathlib import Path
 
-from fashionjax import artifacts, environment, models, rundir
+from fashionjax import artifacts, data, environment, models, rundir
+from fashionjax import blend as blend_lib
+from fashionjax import run as run_lib
 from fashionjax.config import ConfigError
 from fashionjax.signals import Interrupted
 
@@ -73,15 +78,48 @@ def finished_summary(run_dir: Path, wanted: dict) -> dict | None:
     return dict(artifacts.read_json(summary_path), run_dir=str(run_dir))
 
 
+def blend_partners(blend_dir: Path, out_dir: Path, seeds: range) -> dict[int, dict]:
+    """The finished run of each seed in another speedrun's output (seed -> its summary with run_dir),
+    checked before anything trains; a seed without one is refused, naming its directory."""
+    if blend_dir.resolve() == out_dir.resolve():
+        raise ConfigError(f"--blend {blend_dir}: that is this speedrun's own --out; name another speedrun's output")
+    partners = {}
+    for seed in seeds:
+        summary_path = blend_dir / f"seed-{seed}" / "summary.json"
+        if not summary_path.is_file():
+            raise ConfigError(f"--blend {blend_dir}: no finished run of seed {seed} ({summary_path} is missing); "
+                              f"run `fashionjax speedrun --out {blend_dir}` for these seeds first")
+        partners[seed] = dict(artifacts.read_json(summary_path), run_dir=str(summary_path.parent))
+    return partners
+
+
+def blended_row(row: dict, partner: dict, weight: float, dataset, target: float) -> dict:
+    """A seed's line of the record as its run and its partner score together: the blend's accuracy
+    (each run with its own TTA, and neither with any), the two runs' training summed, each run's own."""
+    scored = blend_lib.score([run_lib.load_trained(row["run_dir"]), run_lib.load_trained(partner["run_dir"])],
+                             [1.0, weight], dataset.test.images_u8, dataset.test.labels)
+    for part, summary in zip(scored["runs"], (row, partner), strict=True):
+        part.update(train_seconds=summary["train_seconds"], compile_seconds=summary["compile_seconds"],
+                    train_examples_per_sec=summary["train_examples_per_sec"])
+    return {**row, "test_accuracy": scored["test_accuracy"], "test_accuracy_no_tta": scored["test_accuracy_no_tta"],
+            "train_seconds": row["train_seconds"] + partner["train_seconds"],
+            "compile_seconds": row["compile_seconds"] + partner["compile_seconds"],
+            "train_examples_per_sec": None,  # two runs of different networks: each part has its own
+            "reached_target": scored["test_accuracy"] >= target, "blend": scored["runs"]}
+
+
 def run(args, explicit: dict, out, stops, train_one) -> dict:
     """Train (or keep, or resume) every seed, then write speedrun.json and its page; returns the document.
 
     train_one(seed_args, explicit, out, stops) -> summary is the train command's core.
     """
     first_seed = explicit.get("seed", 0)
-    out_dir = artifacts.ensure_dir(Path(args.out) if args.out else Path("runs") / f"speedrun-{artifacts.utc_stamp()}")
+    seeds = range(first_seed, first_seed + args.seeds)
+    out_dir = Path(args.out) if args.out else Path("runs") / f"speedrun-{artifacts.utc_stamp()}"
+    partners = blend_partners(Path(args.blend), out_dir, seeds) if args.blend else None
+    artifacts.ensure_dir(out_dir)
     rows = []
-    for seed in range(first_seed, first_seed + args.seeds):
+    for seed in seeds:
         seed_config = dict(explicit, seed=seed)
         run_dir = out_dir / f"seed-{seed}"
         summary = finished_summary(run_dir, seed_config)
@@ -97,10 +135,25 @@ def run(args, explicit: dict, out, stops, train_one) -> dict:
                                 "speedrun command again (it keeps the seeds that finished and goes on from here)")
                 raise
         rows.append(seed_row(summary, args.target))
-    return write(out_dir, rows, args.target, summary)
+    if partners is None:
+        return write(out_dir, rows, args.target, summary)
+    dataset = data.load(args.data_dir, offline=args.offline, log=out.note)
+    out.note(f"scoring each seed blended with {args.blend} (weight {args.blend_weight})")
+    rows = [blended_row(row, partners[row["seed"]], args.blend_weight, dataset, args.target) for row in rows]
+    return write(out_dir, rows, args.target, summary,
+                 blend={"out": args.blend, "weight": args.blend_weight, "model": partners[first_seed]["model"],
+                        "train_flops_per_run": run_flops(partners[first_seed])})
 
 
-def write(out_dir: Path, rows: list[dict], target: float, last_summary: dict) -> dict:
+def run_flops(summary: dict) -> int:
+    """The training FLOPs of a finished run, from its summary and config.json."""
+    config = artifacts.read_json(Path(summary["run_dir"]) / "config.json")["config"]
+    return models.get(summary["model"]).run_flops_per_example(config["whiten"]) * summary["steps"] * summary["batch_size"]
+
+
+def write(out_dir: Path, rows: list[dict], target: float, last_summary: dict, blend: dict | None = None) -> dict:
+    """speedrun.json and its page. With a blend (its folder, weight, model and the partner's training
+    FLOPs per run), each seed's training FLOPs include its partner's."""
     from fashionjax.report import plots, render
 
     model = models.get(last_summary["model"])
@@ -108,18 +161,19 @@ def write(out_dir: Path, rows: list[dict], target: float, last_summary: dict) ->
     document = {
         "model": model.name,
         "config": {name: value for name, value in config.items() if name != "seed"},
+        "blend": blend,
         "per_seed": rows,
         **aggregate(rows, target),
-        "train_flops_per_run": (model.run_flops_per_example(config["whiten"]) * last_summary["steps"]
-                                * last_summary["batch_size"]),
+        "train_flops_per_run": run_flops(last_summary) + (blend["train_flops_per_run"] if blend else 0),
         "tta": last_summary["tta"],
         "tta_shift": last_summary.get("tta_shift", 0),
         "cpu_model": environment.cpu_model(),
         "environment": environment.describe(),
         "charts": ["speedrun.png"],
     }
+    title = model.name if blend is None else f"{model.name} blended with {blend['model']}"
     plots.strip([row["test_accuracy"] for row in rows], [row["seed"] for row in rows], target,
-                f"{model.name}: test accuracy per seed", out_dir / "speedrun.png")
+                f"{title}: test accuracy per seed", out_dir / "speedrun.png")
     artifacts.atomic_write_json(out_dir / SPEEDRUN_JSON, document)
     document["page"] = str(render.render_speedrun(out_dir))
     return document

@@ -143,7 +143,8 @@ def render_speedrun(out_dir: str | Path) -> Path:
     """Write OUT_DIR/speedrun.html from speedrun.json and its chart; returns its path."""
     out_dir = Path(out_dir)
     document = artifacts.read_json(out_dir / "speedrun.json")
-    html = _template("speedrun.html.j2").render(**document, settings=settings(document["config"]),
+    html = _template("speedrun.html.j2").render(**{"blend": None, **document},  # records before --blend lack it
+                                                 settings=settings(document["config"]),
                                                  tta_name=tta_name(document),
                                                  chart=_data_uri(out_dir / "speedrun.png"))
     target = out_dir / "speedrun.html"
