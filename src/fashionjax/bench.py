@@ -94,10 +94,10 @@ def mfu(flops_per_example: int, examples_per_sec: float, peak_flops: float | Non
 
 def peak_product(x, y):
     """The peak probe's matmul, summed in float32 whatever the dtype: for bfloat16 that is the form
-    XLA:CPU runs on the CPU's bfloat16 dot-product instructions. With a bfloat16 result it takes a
-    slower path (AMD EPYC, Zen 4 with AVX512-BF16: 427 against 176 GFLOP/s, float32 213-217), which
-    would understate the peak and so flatter bfloat16's MFU. On an Intel Xeon with AMX this form runs on
-    the AMX tiles: 1,551 against float32's 296 GFLOP/s (docs/speedrun.md, "bfloat16 and AMX")."""
+    XLA:CPU runs on the CPU's bfloat16 dot-product instructions (on a CPU with AMX, on its tiles). With
+    a bfloat16 result it takes a slower path, which would understate the peak and so flatter
+    bfloat16's MFU (docs/speedrun.md: "bfloat16 summed in float32, and MFU over longer benches" on an
+    AMD EPYC, "bfloat16 and AMX" on an Intel Xeon)."""
     return jnp.matmul(x, y, preferred_element_type=jnp.float32)
 
 
@@ -379,8 +379,8 @@ def _slow_bfloat16_reason(env: dict) -> str:
         return "a model this small is bound by launch overhead and memory traffic, not matmul speed"
     if env.get("cpu_amx"):  # measured on an AMX Xeon (docs/speedrun.md, "bfloat16 and AMX")
         return ("this CPU has AMX bfloat16 tiles, and XLA:CPU uses them only for products summed in float32 "
-                "(the peak probe's form); the model's products return bfloat16 and its elementwise work runs "
-                "through float32 conversions, and even with every product summed in float32 the models here "
+                "(the peak probe's form); the model's products return bfloat16, its elementwise work runs "
+                "through float32 conversions, and even with every product summed that way the models here "
                 "trained slower in bfloat16 than in float32 at batches 16-512")
     return ("XLA:CPU computes bfloat16 elementwise work through float32 conversions, and a matmul with a "
             "bfloat16 result takes a path slower than float32's (only products summed in float32 reach "

@@ -271,7 +271,7 @@ class ConvNet:
                      whitened_grad_flops=2 * self.macs()[0])
 
 
-# The record attempt: 9 filters at 28x28 (a 3x3 patch has 9 directions), two of 48 at 14x14 (a
+# The speedrun network (the 94% recipe's and the record attempt's): 9 filters at 28x28 (a 3x3 patch has 9 directions), two of 48 at 14x14 (a
 # second one lifted seeds 0-4 from 93.73% to 94.22%; 48 wide instead of 64 trains 1.4x faster per
 # example, and the recipe's extra epochs buy the accuracy back: docs/speedrun.md, "48 wide"), 128 at 7x7,
 # and a 128-unit hidden layer: at batch 16 a step reads, updates and moves every dense weight, so
