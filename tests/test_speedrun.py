@@ -506,6 +506,18 @@ def test_blend_is_the_weighted_mean_of_the_probabilities_by_hand():
     assert blend.accuracy(first, np.array([0, 1])) == 1.0
 
 
+def test_a_runs_plain_logits_come_from_the_same_pass_as_its_scored_ones():
+    model = models.get("mlp")
+    stacked = jax.tree_util.tree_map(lambda *x: jnp.stack(x), model.init(jax.random.key(0)), model.init(jax.random.key(1)))
+    images = jnp.asarray(np.random.default_rng(0).random((6, 28, 28), np.float32))
+    for members, params in ((1, model.init(jax.random.key(2))), (2, stacked)):
+        scored, plain = evaluate.classifier_and_plain("mlp", params, tta=True, members=members, tta_shift=1)(images)
+        expected_scored = evaluate.classifier("mlp", params, tta=True, members=members, tta_shift=1)(images)
+        np.testing.assert_allclose(scored, expected_scored, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(plain, evaluate.classifier("mlp", params, members=members)(images), rtol=1e-6, atol=1e-6)
+        assert not np.allclose(scored, plain)  # the views change the logits, so the two are told apart
+
+
 def test_speedrun_blend_scores_each_seed_with_the_same_seed_of_another_record(tmp_path, synthetic_cli, capsys,
                                                                               small_speedrun):
     seeds = ["--seeds", "2", "--seed", "3"]
@@ -517,12 +529,12 @@ def test_speedrun_blend_scores_each_seed_with_the_same_seed_of_another_record(tm
     assert cli.main([*own, "--out", str(tmp_path / "alone")]) == 0
     alone = json.loads(capsys.readouterr().out)
 
-    def blended(weight: str) -> dict:
-        assert cli.main([*own, "--out", str(tmp_path / "alone"), "--blend", str(tmp_path / "mlp"),
-                         "--blend-weight", weight]) == 0
+    def blended(*weight: str) -> dict:
+        assert cli.main([*own, "--out", str(tmp_path / "alone"), "--blend", str(tmp_path / "mlp"), *weight]) == 0
         return json.loads(capsys.readouterr().out)
 
-    document = blended("0.5")
+    assert [part["weight"] for part in blended()["per_seed"][0]["blend"]] == [1.0, 1.0]  # the default: equal
+    document = blended("--blend-weight", "0.5")
     assert document["blend"]["model"] == "mlp" and document["blend"]["weight"] == 0.5
     assert document["train_flops_per_run"] == alone["train_flops_per_run"] + mlp["train_flops_per_run"]
     for row, own_row, mlp_row in zip(document["per_seed"], alone["per_seed"], mlp["per_seed"], strict=True):
@@ -541,7 +553,7 @@ def test_speedrun_blend_scores_each_seed_with_the_same_seed_of_another_record(tm
     assert "blended" not in render.render_speedrun(tmp_path / "alone").read_text()
     # a weight that drowns one run out leaves the other's accuracy: the weight reaches the probabilities
     for weight, which in (("1e-9", 0), ("1e9", 1)):
-        for row in blended(weight)["per_seed"]:
+        for row in blended("--blend-weight", weight)["per_seed"]:
             assert row["test_accuracy"] == row["blend"][which]["test_accuracy"]
             assert row["test_accuracy_no_tta"] == row["blend"][which]["test_accuracy_no_tta"]
 

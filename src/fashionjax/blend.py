@@ -8,10 +8,11 @@ as readily as seeds of one: that is what `fashionjax speedrun --blend` adds to e
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from fashionjax import config as config_lib
 from fashionjax import evaluate, models
+from fashionjax.train import scale_images
 
 
 def combine(probabilities: list[np.ndarray], weights: list[float]) -> np.ndarray:
@@ -20,10 +21,15 @@ def combine(probabilities: list[np.ndarray], weights: list[float]) -> np.ndarray
     return sum(weight * probs for weight, probs in zip(weights, probabilities, strict=True)) / total
 
 
-def probabilities(classify, images: np.ndarray, batch_size: int) -> np.ndarray:
-    """(N, 10) float64 softmax of classify's logits for images (N, 28, 28) in [0, 1]."""
-    compiled = jax.jit(lambda batch: jax.nn.softmax(classify(batch)))
-    return evaluate.in_fixed_batches(compiled, images, batch_size).astype(np.float64)
+def probabilities(classify_and_plain, images_u8: np.ndarray, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The softmax of both of classify_and_plain's logits (scored, plain) for images_u8 (N, 784):
+    two (N, 10) float64 arrays, from one pass over the images."""
+    def both(batch_u8):  # (B, 784) uint8 -> (B, 2, 10)
+        images = scale_images(batch_u8).reshape(-1, models.IMAGE_SIDE, models.IMAGE_SIDE)
+        return jnp.stack([jax.nn.softmax(logits) for logits in classify_and_plain(images)], axis=1)
+
+    stacked = evaluate.in_fixed_batches(jax.jit(both), images_u8.reshape(len(images_u8), -1), batch_size)
+    return stacked[:, 0].astype(np.float64), stacked[:, 1].astype(np.float64)
 
 
 def accuracy(probs: np.ndarray, labels: np.ndarray) -> float:
@@ -33,16 +39,15 @@ def accuracy(probs: np.ndarray, labels: np.ndarray) -> float:
 def score(runs: list, weights: list[float], images_u8: np.ndarray, labels: np.ndarray, batch_size: int = 1000) -> dict:
     """The blend of finished runs (run.Trained) at these weights on every image: its accuracy with each
     run's own test-time augmentation and without any, and each run's own figures."""
-    images = images_u8.reshape(-1, models.IMAGE_SIDE, models.IMAGE_SIDE).astype(np.float32) / 255.0
     scored, plain, parts = [], [], []
     for trained, weight in zip(runs, weights, strict=True):
         config = trained.config
-        scored.append(probabilities(evaluate.run_classifier(config, trained.params), images, batch_size))
-        plain.append(probabilities(evaluate.classifier(config.model, trained.params, config.dtype, tta=False,
-                                                       members=config_lib.member_count(config)), images, batch_size)
-                     if config.tta else scored[-1])
+        run_scored, run_plain = probabilities(evaluate.run_classifier(config, trained.params, with_plain=True),
+                                              images_u8, batch_size)
+        scored.append(run_scored)
+        plain.append(run_plain)
         parts.append({"run_dir": str(trained.run_dir), "model": config.model, "seed": config.seed, "weight": weight,
-                      "checkpoint_step": trained.step, "test_accuracy": accuracy(scored[-1], labels),
-                      "test_accuracy_no_tta": accuracy(plain[-1], labels)})
+                      "checkpoint_step": trained.step, "test_accuracy": accuracy(run_scored, labels),
+                      "test_accuracy_no_tta": accuracy(run_plain, labels)})
     return {"test_accuracy": accuracy(combine(scored, weights), labels),
             "test_accuracy_no_tta": accuracy(combine(plain, weights), labels), "runs": parts}

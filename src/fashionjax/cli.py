@@ -304,8 +304,7 @@ def cmd_speedrun(args, out, stops: StopRequests) -> int:
         raise ConfigError(f"--target is a fraction of the test set in (0, 1], got {args.target}")
     if args.blend_weight is not None and not args.blend:
         raise ConfigError("--blend-weight weighs the runs of --blend: add --blend OUT2")
-    args.blend_weight = 1.0 if args.blend_weight is None else args.blend_weight
-    if not (math.isfinite(args.blend_weight) and args.blend_weight > 0):
+    if args.blend_weight is not None and not (math.isfinite(args.blend_weight) and args.blend_weight > 0):
         raise ConfigError(f"--blend-weight must be a positive finite number, got {args.blend_weight}")
     document = speedrun.run(args, explicit, out, stops, train_command.run)
     console.show_speedrun(out, document)

@@ -53,20 +53,33 @@ def classifier(model_name: str, params, dtype: str = "float32", tta: bool = Fals
     For a multi-model run (params stacked over members) it is the ensemble: the log of the finite
     members' mean probabilities, so that a softmax of it gives exactly that mean.
     """
+    both = classifier_and_plain(model_name, params, dtype, tta, members, tta_shift)
+    return lambda images: both(images)[0]  # under jit, XLA drops whatever only the plain logits need
+
+
+def classifier_and_plain(model_name: str, params, dtype: str = "float32", tta: bool = False, members: int = 1,
+                         tta_shift: int = 0):
+    """classifier() and the same model without TTA from one pass: images -> (scored logits, plain logits),
+    each (B, 10); the plain ones are the first view that TTA averages."""
     model = models.get(model_name)
 
     def one(member_params, images):
-        return scored_logits(model, member_params, images, compute_dtype(dtype), tta, tta_shift)[0]
+        return scored_logits(model, member_params, images, compute_dtype(dtype), tta, tta_shift)
 
     if members == 1:
         return lambda images: one(params, images)
-    return lambda images: jnp.log(jnp.nanmean(jax.nn.softmax(jax.vmap(one, (0, None))(params, images)), axis=0))
+
+    def mean_of_members(logits):  # (M, B, 10) -> (B, 10)
+        return jnp.log(jnp.nanmean(jax.nn.softmax(logits), axis=0))
+
+    return lambda images: tuple(map(mean_of_members, jax.vmap(one, (0, None))(params, images)))
 
 
-def run_classifier(config: config_lib.TrainConfig, params):
-    """classifier() as a run's config scores it: its model, dtype, TTA and members."""
-    return classifier(config.model, params, config.dtype, config.tta, config_lib.member_count(config),
-                      config.tta_shift)
+def run_classifier(config: config_lib.TrainConfig, params, with_plain: bool = False):
+    """classifier() as a run's config scores it: its model, dtype, TTA and members (with_plain:
+    classifier_and_plain() instead)."""
+    build = classifier_and_plain if with_plain else classifier
+    return build(config.model, params, config.dtype, config.tta, config_lib.member_count(config), config.tta_shift)
 
 
 def make_predict(model: models.Model, dtype, mesh, tta: bool = False, tta_shift: int = 0):

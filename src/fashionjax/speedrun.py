@@ -138,10 +138,11 @@ def run(args, explicit: dict, out, stops, train_one) -> dict:
     if partners is None:
         return write(out_dir, rows, args.target, summary)
     dataset = data.load(args.data_dir, offline=args.offline, log=out.note)
-    out.note(f"scoring each seed blended with {args.blend} (weight {args.blend_weight})")
-    rows = [blended_row(row, partners[row["seed"]], args.blend_weight, dataset, args.target) for row in rows]
+    weight = 1.0 if args.blend_weight is None else args.blend_weight  # OUT2's, against this run's 1
+    out.note(f"scoring each seed blended with {args.blend} (weight {weight})")
+    rows = [blended_row(row, partners[row["seed"]], weight, dataset, args.target) for row in rows]
     return write(out_dir, rows, args.target, summary,
-                 blend={"out": args.blend, "weight": args.blend_weight, "model": partners[first_seed]["model"],
+                 blend={"out": args.blend, "weight": weight, "model": partners[first_seed]["model"],
                         "train_flops_per_run": run_flops(partners[first_seed])})
 
 
