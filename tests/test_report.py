@@ -159,3 +159,19 @@ def test_seconds_and_flops_are_cut_never_rounded_up():
     assert number(137.2628, 1) == "137.2" and number(6.36902784, 2) == "6.36"  # were printed 137.3 and 6.37
     assert number(1106.35, 1) == "1,106.3" and number(0.04, 1) == "0.0" and number(2.5, 0) == "2"
     assert number(-0.27, 1) == "-0.2"  # toward zero, as a cut digit is
+
+
+@pytest.mark.parametrize("percents", [[95.0, 95.02, 95.02, 95.0], [94.12], [12.0, 31.0, 85.0]])
+def test_the_accuracy_axis_ticks_no_finer_than_a_test_image_resolves(percents):
+    import matplotlib.pyplot as plt
+
+    from fashionjax.report import plots
+
+    fig, ax = plt.subplots()
+    plots.percent_axis(ax, percents)
+    fig.canvas.draw()
+    low, high = ax.get_xlim()
+    labels = [tick.get_text() for tick in ax.get_xticklabels() if low <= tick.get_position()[0] <= high]
+    plt.close(fig)
+    assert low < min(percents) and max(percents) < high and high - low > 0.0999  # no value on the frame's edge
+    assert len(labels) >= 3 and all(len(label.partition(".")[2]) <= 2 for label in labels), labels  # was 95.0025
