@@ -53,26 +53,31 @@ def classifier(model_name: str, params, dtype: str = "float32", tta: bool = Fals
     For a multi-model run (params stacked over members) it is the ensemble: the log of the finite
     members' mean probabilities, so that a softmax of it gives exactly that mean.
     """
-    both = classifier_and_plain(model_name, params, dtype, tta, members, tta_shift)
-    return lambda images: both(images)[0]  # under jit, XLA drops whatever only the plain logits need
+    member_logits, pool = _members(model_name, params, dtype, tta, members, tta_shift)
+    return lambda images: pool(member_logits(images)[0])
 
 
 def classifier_and_plain(model_name: str, params, dtype: str = "float32", tta: bool = False, members: int = 1,
                          tta_shift: int = 0):
     """classifier() and the same model without TTA from one pass: images -> (scored logits, plain logits),
     each (B, 10); the plain ones are the first view that TTA averages."""
+    member_logits, pool = _members(model_name, params, dtype, tta, members, tta_shift)
+    return lambda images: tuple(map(pool, member_logits(images)))
+
+
+def _members(model_name: str, params, dtype: str, tta: bool, members: int, tta_shift: int):
+    """(images -> each member's (scored, plain) logits, the pooling of members' logits into one model's):
+    for one member the logits are (B, 10) and pooling keeps them; for several, (M, B, 10) each, pooled
+    to the log of the finite members' mean probabilities."""
     model = models.get(model_name)
 
     def one(member_params, images):
         return scored_logits(model, member_params, images, compute_dtype(dtype), tta, tta_shift)
 
     if members == 1:
-        return lambda images: one(params, images)
-
-    def mean_of_members(logits):  # (M, B, 10) -> (B, 10)
-        return jnp.log(jnp.nanmean(jax.nn.softmax(logits), axis=0))
-
-    return lambda images: tuple(map(mean_of_members, jax.vmap(one, (0, None))(params, images)))
+        return (lambda images: one(params, images)), (lambda logits: logits)
+    return ((lambda images: jax.vmap(one, (0, None))(params, images)),
+            (lambda logits: jnp.log(jnp.nanmean(jax.nn.softmax(logits), axis=0))))
 
 
 def run_classifier(config: config_lib.TrainConfig, params, with_plain: bool = False):
