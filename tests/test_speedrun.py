@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 import math
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -551,6 +552,12 @@ def test_speedrun_blend_scores_each_seed_with_the_same_seed_of_another_record(tm
     del saved["blend"]  # a record written before --blend still renders
     (tmp_path / "alone" / "speedrun.json").write_text(json.dumps(saved))
     assert "blended" not in render.render_speedrun(tmp_path / "alone").read_text()
+    # a partner whose checkpoints are gone is refused before this speedrun trains anything
+    shutil.copytree(tmp_path / "mlp", tmp_path / "broken")
+    shutil.rmtree(tmp_path / "broken" / "seed-4" / "checkpoints")
+    assert cli.main([*own, "--out", str(tmp_path / "new"), "--blend", str(tmp_path / "broken")]) == 1
+    assert "seed-4/checkpoints" in json.loads(capsys.readouterr().out)["error"]["message"]
+    assert not (tmp_path / "new").exists()
     # a weight that drowns one run out leaves the other's accuracy: the weight reaches the probabilities
     for weight, which in (("1e-9", 0), ("1e9", 1)):
         for row in blended("--blend-weight", weight)["per_seed"]:
@@ -563,6 +570,7 @@ def test_speedrun_blend_scores_each_seed_with_the_same_seed_of_another_record(tm
     (["--blend", "{partner}", "--blend-weight", "0"], "--blend-weight must be a positive"),
     (["--blend", "{partner}", "--seeds", "2"], "no finished run of seed 1"),
     (["--blend", "{out}"], "that is this speedrun's own --out"),
+    (["--blend", "{partner}"], "seed-0: not a run directory"),  # a summary.json alone is not a run to blend
 ])
 def test_speedrun_blend_refuses_what_it_cannot_score_before_training(tmp_path, synthetic_cli, capsys, small_speedrun,
                                                                      flags, message):

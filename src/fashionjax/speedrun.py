@@ -19,6 +19,7 @@ from pathlib import Path
 from fashionjax import artifacts, data, environment, models, rundir
 from fashionjax import blend as blend_lib
 from fashionjax import run as run_lib
+from fashionjax.checkpoint import CheckpointError
 from fashionjax.config import ConfigError
 from fashionjax.signals import Interrupted
 
@@ -78,32 +79,42 @@ def finished_summary(run_dir: Path, wanted: dict) -> dict | None:
     return dict(artifacts.read_json(summary_path), run_dir=str(run_dir))
 
 
-def blend_partners(blend_dir: Path, out_dir: Path, seeds: range) -> dict[int, dict]:
-    """The finished run of each seed in another speedrun's output (seed -> its summary with run_dir),
-    checked before anything trains; a seed without one is refused, naming its directory."""
+def blend_partners(blend_dir: Path, out_dir: Path, seeds: range) -> dict[int, tuple[dict, run_lib.Trained]]:
+    """The finished run of each seed in another speedrun's output (seed -> (its summary with run_dir, its
+    parameters)), read before anything trains: a seed without one, or whose checkpoint does not read
+    back, is refused, naming its directory, rather than after this speedrun's own training."""
     if blend_dir.resolve() == out_dir.resolve():
         raise ConfigError(f"--blend {blend_dir}: that is this speedrun's own --out; name another speedrun's output")
-    partners = {}
-    for seed in seeds:
-        summary_path = blend_dir / f"seed-{seed}" / "summary.json"
+    summary_paths = {seed: blend_dir / f"seed-{seed}" / "summary.json" for seed in seeds}
+    for seed, summary_path in summary_paths.items():
         if not summary_path.is_file():
             raise ConfigError(f"--blend {blend_dir}: no finished run of seed {seed} ({summary_path} is missing); "
                               f"run `fashionjax speedrun --out {blend_dir}` for these seeds first")
-        partners[seed] = dict(artifacts.read_json(summary_path), run_dir=str(summary_path.parent))
-    return partners
+    return {seed: (dict(artifacts.read_json(path), run_dir=str(path.parent)), partner_run(blend_dir, path.parent))
+            for seed, path in summary_paths.items()}
 
 
-def blended_row(row: dict, partner: dict, weight: float, dataset, target: float) -> dict:
-    """A seed's line of the record as its run and its partner score together: the blend's accuracy
-    (each run with its own TTA, and neither with any), the two runs' training summed, each run's own."""
-    scored = blend_lib.score([run_lib.load_trained(row["run_dir"]), run_lib.load_trained(partner["run_dir"])],
+def partner_run(blend_dir: Path, run_dir: Path) -> run_lib.Trained:
+    """A --blend run's parameters; what stops them loading is refused as it is, its line naming --blend."""
+    try:
+        return run_lib.load_trained(run_dir)
+    except (ConfigError, CheckpointError) as err:
+        raise type(err)(f"--blend {blend_dir}: {err}") from err
+
+
+def blended_row(row: dict, partner: tuple[dict, run_lib.Trained], weight: float, dataset, target: float) -> dict:
+    """A seed's line of the record as its run and its partner (summary, parameters) score together: the
+    blend's accuracy (each run with its own TTA, and neither with any), the two runs' training summed,
+    each run's own."""
+    partner_summary, partner_trained = partner
+    scored = blend_lib.score([run_lib.load_trained(row["run_dir"]), partner_trained],
                              [1.0, weight], dataset.test.images_u8, dataset.test.labels)
-    for part, summary in zip(scored["runs"], (row, partner), strict=True):
+    for part, summary in zip(scored["runs"], (row, partner_summary), strict=True):
         part.update(train_seconds=summary["train_seconds"], compile_seconds=summary["compile_seconds"],
                     train_examples_per_sec=summary["train_examples_per_sec"])
     return {**row, "test_accuracy": scored["test_accuracy"], "test_accuracy_no_tta": scored["test_accuracy_no_tta"],
-            "train_seconds": row["train_seconds"] + partner["train_seconds"],
-            "compile_seconds": row["compile_seconds"] + partner["compile_seconds"],
+            "train_seconds": row["train_seconds"] + partner_summary["train_seconds"],
+            "compile_seconds": row["compile_seconds"] + partner_summary["compile_seconds"],
             "train_examples_per_sec": None,  # two runs of different networks: each part has its own
             "reached_target": scored["test_accuracy"] >= target, "blend": scored["runs"]}
 
@@ -142,8 +153,8 @@ def run(args, explicit: dict, out, stops, train_one) -> dict:
     out.note(f"scoring each seed blended with {args.blend} (weight {weight})")
     rows = [blended_row(row, partners[row["seed"]], weight, dataset, args.target) for row in rows]
     return write(out_dir, rows, args.target, summary,
-                 blend={"out": args.blend, "weight": weight, "model": partners[first_seed]["model"],
-                        "train_flops_per_run": run_flops(partners[first_seed])})
+                 blend={"out": args.blend, "weight": weight, "model": partners[first_seed][0]["model"],
+                        "train_flops_per_run": run_flops(partners[first_seed][0])})
 
 
 def run_flops(summary: dict) -> int:
