@@ -302,10 +302,11 @@ def cmd_speedrun(args, out, stops: StopRequests) -> int:
         raise ConfigError(f"--seeds must be at least 1 and end at seed {config_lib.MAX_SEED} or below, got {args.seeds}")
     if not 0 < args.target <= 1:
         raise ConfigError(f"--target is a fraction of the test set in (0, 1], got {args.target}")
-    if args.blend_weight is not None and not args.blend:
-        raise ConfigError("--blend-weight weighs the runs of --blend: add --blend OUT2")
-    if args.blend_weight is not None and not (math.isfinite(args.blend_weight) and args.blend_weight > 0):
-        raise ConfigError(f"--blend-weight must be a positive finite number, got {args.blend_weight}")
+    if args.blend_weight is not None:
+        if not args.blend:
+            raise ConfigError("--blend-weight weighs the runs of --blend: add --blend OUT2")
+        if not (math.isfinite(args.blend_weight) and args.blend_weight > 0):
+            raise ConfigError(f"--blend-weight must be a positive finite number, got {args.blend_weight}")
     document = speedrun.run(args, explicit, out, stops, train_command.run)
     console.show_speedrun(out, document)
     out.document(document)

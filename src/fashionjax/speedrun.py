@@ -154,13 +154,13 @@ def run(args, explicit: dict, out, stops, train_one) -> dict:
     rows = [blended_row(row, partners[row["seed"]], weight, dataset, args.target) for row in rows]
     return write(out_dir, rows, args.target, summary,
                  blend={"out": args.blend, "weight": weight, "model": partners[first_seed][0]["model"],
-                        "train_flops_per_run": run_flops(partners[first_seed][0])})
+                        "train_flops_per_run": run_flops(partners[first_seed][0], partners[first_seed][1].config.whiten)})
 
 
-def run_flops(summary: dict) -> int:
-    """The training FLOPs of a finished run, from its summary and config.json."""
-    config = artifacts.read_json(Path(summary["run_dir"]) / "config.json")["config"]
-    return models.get(summary["model"]).run_flops_per_example(config["whiten"]) * summary["steps"] * summary["batch_size"]
+def run_flops(summary: dict, whiten: bool) -> int:
+    """The training FLOPs of a finished run, from its summary and whether its first layer was whitened
+    (frozen, so its weight gradient is not computed)."""
+    return models.get(summary["model"]).run_flops_per_example(whiten) * summary["steps"] * summary["batch_size"]
 
 
 def write(out_dir: Path, rows: list[dict], target: float, last_summary: dict, blend: dict | None = None) -> dict:
@@ -176,7 +176,7 @@ def write(out_dir: Path, rows: list[dict], target: float, last_summary: dict, bl
         "blend": blend,
         "per_seed": rows,
         **aggregate(rows, target),
-        "train_flops_per_run": run_flops(last_summary) + (blend["train_flops_per_run"] if blend else 0),
+        "train_flops_per_run": run_flops(last_summary, config["whiten"]) + (blend["train_flops_per_run"] if blend else 0),
         "tta": last_summary["tta"],
         "tta_shift": last_summary.get("tta_shift", 0),
         "cpu_model": environment.cpu_model(),
