@@ -5,7 +5,7 @@ The variant, a `models.ConvNet` of another shape, is registered as `speedrun` in
 everything else (flags, run directory, summary.json) is the train command's own. Usage:
 
     python benchmarks/speedrun_probe.py [--filters 9,64,64,128] [--pools 011] [--hidden 512]
-        [--residual] [--gelu] [--dropout 0.3] [--lookahead 5,0.5] [--progressive 32,3750]
+        [--residual] [--scaled-norm] [--gelu] [--dropout 0.3] [--lookahead 5,0.5] [--progressive 32,3750]
         [--gpu-conv-min-batch N] -- train --model speedrun --run-dir runs/probe ...
 
 --filters: each convolution's filter count (the first layer's are pooled with their negations, as
@@ -169,6 +169,7 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=models.SPEEDRUN.hidden)
     parser.add_argument("--residual", action="store_true",
                         help="an identity skip around each convolution after the first that keeps its width")
+    parser.add_argument("--scaled-norm", action="store_true", help="each batch norm trains a scale too (as deep's do)")
     parser.add_argument("--gelu", action="store_true", help="GELU instead of ReLU after each batch norm")
     parser.add_argument("--lookahead", default=None, metavar="K,ALPHA",
                         help="Lookahead: every K steps move slow weights ALPHA of the way to the fast ones")
@@ -182,7 +183,8 @@ def main() -> int:
     if len(args.pools) != len(filters) - 1 or set(args.pools) - {"0", "1"}:
         parser.error(f"--pools needs one 0 or 1 per convolution after the first ({len(filters) - 1}), "
                      f"got {args.pools!r}")
-    net = ProbeNet(filters, tuple(p == "1" for p in args.pools), args.hidden, args.residual)
+    net = ProbeNet(filters, tuple(p == "1" for p in args.pools), args.hidden, scaled_norm=args.scaled_norm,
+                   residual=args.residual)
     models.REGISTRY["speedrun"] = net.model("speedrun")  # this process only
     if args.dropout:
         add_hidden_dropout(args.dropout, net.flat)
