@@ -12,7 +12,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from fashionjax import bench, cli
+from fashionjax import bench, cli, distributed, lanes
 from fashionjax import config as config_lib
 
 
@@ -67,9 +67,11 @@ def test_models_at_once_compares_with_one_model_and_is_skipped_alone(monkeypatch
                 "final_accuracy": 0.8}
 
     monkeypatch.setattr(bench, "measure", fake_measure)
-    work = lambda dtype, batch: bench.Workload(config_lib.default("mlp"), None, None, None)  # noqa: E731
+    mesh = distributed.make_mesh(1)
+    work = lambda dtype, batch: bench.Workload(config_lib.default("mlp"), None, None, mesh)  # noqa: E731
     rows = bench.models_at_once(bench.BenchConfig(members=(4, 1)), work, lambda line: None)
     assert [row["members"] for row in rows] == [1, 4]
+    assert [row["lanes"] for row in rows] == [1, min(4, lanes.cores())]  # one device of this CPU
     assert [row["speedup_over_separate"] for row in rows] == [1.0, pytest.approx(3.6)]
     assert bench.models_at_once(bench.BenchConfig(members=(1,)), work, lambda line: None) == []
     # without --members a GPU adds 16, 32 and 64; asked for, the counts are exactly those asked for
@@ -112,6 +114,9 @@ def test_bench_runs_only_the_modes_and_member_counts_asked_for(tmp_path, synthet
     assert document["config"]["modes"] == ["jit-step", "fused"] and document["config"]["members"] == [1, 2]
     assert [row["members"] for row in document["models_at_once"]] == [1, 2]
     assert document["peak"]["flops_per_sec"] == {"float32": 3e11}  # the higher: MFU is never flattered
+    for row in document["models_at_once"]:  # the models' FLOPs together, against the same peak
+        expected = document["flops_per_example"] * row["model_examples_per_sec"]["median"] / 3e11
+        assert row["mfu"] == pytest.approx(expected)
     fused = document["cases"][1]
     assert fused["mfu"] == pytest.approx(fused["achieved_flops_per_sec"] / 3e11)
     assert (document["cases"][0]["chunk_steps"], fused["chunk_steps"]) == (1, 2)  # capped at the bench's steps

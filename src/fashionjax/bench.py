@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fashionjax import augment, distributed, environment, figures, models, train
+from fashionjax import augment, distributed, environment, figures, lanes, models, train
 from fashionjax import config as config_lib
 from fashionjax import plan as plan_lib
 from fashionjax.config import DTYPES, ConfigError, TrainConfig
@@ -303,6 +303,7 @@ def run(config: BenchConfig, train_images_u8: np.ndarray, train_labels: np.ndarr
                 steps = config.eager_steps if mode == "eager" else config.steps
                 log(f"{mode} {dtype} batch {batch}: {steps} steps x {config.repeats}")
                 cases.append(measure(work(dtype, batch), mode, steps, config.repeats))
+    at_once = models_at_once(config, work, log)
 
     after = peaks(env["backend"], env["device_kind"], config.dtypes)["flops_per_sec"]
     peak["flops_per_sec"] = {dtype: max(flops, after[dtype]) for dtype, flops in peak["flops_per_sec"].items()}
@@ -313,6 +314,8 @@ def run(config: BenchConfig, train_images_u8: np.ndarray, train_labels: np.ndarr
         case["mfu"] = mfu(flops_per_example, rate, peak["flops_per_sec"].get(case["dtype"]))
         case["tokens_per_sec"] = rate * model.tokens_per_example
         case["examples_per_sec_per_device"] = rate / case["devices"]
+    for row in at_once:
+        row["mfu"] = mfu(flops_per_example, row["model_examples_per_sec"]["median"], peak["flops_per_sec"].get("float32"))
 
     return {
         "model": config.model, "config": dataclasses.asdict(config), "environment": env,
@@ -320,7 +323,7 @@ def run(config: BenchConfig, train_images_u8: np.ndarray, train_labels: np.ndarr
         "tokens_per_example": model.tokens_per_example, "tokens_assumption": models.TOKENS_ASSUMPTION,
         "peak": peak, "cases": cases, "placement": placement(work(config.dtypes[0], config.compare_batch)),
         "scaling": scaling(config, work, log) if mesh.devices.size > 1 else None,
-        "models_at_once": models_at_once(config, work, log),
+        "models_at_once": at_once,
         "notes": notes(cases, env),
     }
 
@@ -338,9 +341,10 @@ def scaling(config: BenchConfig, work: Callable, log) -> dict:
 
 
 def models_at_once(config: BenchConfig, work: Callable, log) -> list[dict]:
-    """Fused float32 at the comparison batch with N models in one program (vmapped members), against
-    N separate runs one after another (which together go at one run's model-examples/sec). Empty when
-    only one model is asked for: the fused case above already measured it, and there is nothing to compare."""
+    """Fused float32 at the comparison batch with N models in one program (vmapped on an accelerator,
+    in lanes on a CPU: lanes.py), against N separate runs one after another (which together go at one
+    run's model-examples/sec). Empty when only one model is asked for: the fused case above already
+    measured it, and there is nothing to compare."""
     counts = sorted(set(config.members))
     if counts == [1]:
         return []
@@ -350,7 +354,8 @@ def models_at_once(config: BenchConfig, work: Callable, log) -> list[dict]:
         one = work("float32", config.compare_batch)
         case = measure(Workload(dataclasses.replace(one.config, seeds=count), one.images_u8, one.labels, one.mesh),
                        "fused", config.steps, config.repeats)
-        rows.append({"members": count, "model_examples_per_sec": case["examples_per_sec"],
+        rows.append({"members": count, "lanes": lanes.count(count, one.mesh),
+                     "model_examples_per_sec": case["examples_per_sec"],
                      "compile_seconds": case["compile_seconds"], "final_loss": case["final_loss"],
                      "final_accuracy": case["final_accuracy"]})
     separate = next((row["model_examples_per_sec"]["median"] for row in rows if row["members"] == 1), None)

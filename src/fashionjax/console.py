@@ -258,11 +258,12 @@ def show_bench(out: Output, document: dict) -> None:
                  f"{s['devices']} ({figures.rate(s['per_device_n'])} per device, efficiency {figures.percent(s['efficiency'], 1)})")
     if document.get("models_at_once"):
         out.show(table("models at once (fused float32, one program; 'separate' = the 1-model rate, which N runs "
-                       "one after another share)", ["models", "model-ex/s median", "min-max", "vs separate",
-                                                    "compile s", "loss"],
-                       [(row["members"], figures.rate(row['model_examples_per_sec']['median']),
+                       "one after another share; lanes: programs run at once, one per core on a CPU)",
+                       ["models", "lanes", "model-ex/s median", "min-max", "vs separate", "MFU", "compile s", "loss"],
+                       [(row["members"], row["lanes"], figures.rate(row['model_examples_per_sec']['median']),
                          f"{figures.rate(row['model_examples_per_sec']['min'])}-{figures.rate(row['model_examples_per_sec']['max'])}",
                          "n/a" if row["speedup_over_separate"] is None else f"{row['speedup_over_separate']:.2f}x",
+                         "n/a" if row.get("mfu") is None else figures.percent(row["mfu"], 2),
                          figures.number(row["compile_seconds"], 2), f"{row['final_loss']:.4f}")
                         for row in document["models_at_once"]]))
     for note in document["notes"]:

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fashionjax import artifacts, distributed, focus, models
+from fashionjax import artifacts, distributed, focus, lanes, models
 from fashionjax import config as config_lib
 from fashionjax import plan as plan_lib
 from fashionjax.augment import augment_keys, make_augment
@@ -323,7 +323,7 @@ def make_chunk(train_step: Callable, num_steps: int, plan: Plan, mesh, augment: 
     For several members state, perms and keys carry a leading member axis, the images and labels are
     shared, and the metrics are (members, steps). On an accelerator (members_together, by default
     off a CPU) the members' steps are vmapped into one, so that their small matmuls batch into large
-    ones; on a CPU they run one after another.
+    ones; on a CPU they run one after another (and compile_chunk runs such programs in lanes).
     """
     batch_sharding = distributed.batch_sharded(mesh)
     steps_per_epoch, batch_size = plan.steps_per_epoch, plan.batch_size
@@ -402,11 +402,31 @@ def compile_training(lowered):
 
 
 def compile_chunk(train_step: Callable, num_steps: int, plan: Plan, mesh, args, augment: Callable | None = None):
-    """Compile a chunk ahead of time for these arguments; the state buffers are donated."""
-    chunk = make_chunk(train_step, num_steps, plan, mesh, augment)
+    """Compile a chunk ahead of time for these arguments; the state buffers are donated. Several
+    members on a CPU train in lanes, a program per core run at once (lanes.py); each lane reads its
+    members out of the whole state, so that state is not donated, and lives until the chunk ends."""
     replicated = distributed.replicated(mesh)
-    return compile_training(jax.jit(chunk, in_shardings=replicated, out_shardings=replicated, donate_argnums=0).lower(
-        *args))
+    lane_count = lanes.count(plan.members, mesh)
+    if lane_count == 1:
+        chunk = make_chunk(train_step, num_steps, plan, mesh, augment)
+        return compile_training(jax.jit(chunk, in_shardings=replicated, out_shardings=replicated,
+                                        donate_argnums=0).lower(*args))
+
+    @functools.cache  # lanes of one size share their program
+    def lane_program(size: int):
+        chunk = make_chunk(train_step, num_steps, dataclasses.replace(plan, members=size), mesh, augment)
+
+        def train_lane(start, state, perms, first_epoch, images_u8, labels, keys):
+            ours = lanes.members_of((state, perms, keys), start, size)
+            output = chunk(ours[0], ours[1], first_epoch, images_u8, labels, ours[2])
+            return output if size > 1 else jax.tree.map(lambda leaf: leaf[None], output)
+
+        start = distributed.put_replicated(np.int32(0), mesh)
+        return compile_training(jax.jit(train_lane, in_shardings=replicated, out_shardings=replicated).lower(
+            start, *args))
+
+    return lanes.Lanes([(lane_program(size), distributed.put_replicated(np.int32(start), mesh))
+                        for start, size in lanes.groups(plan.members, lane_count)])
 
 
 @dataclasses.dataclass
