@@ -4,8 +4,8 @@ A training step on a CPU leaves a core idle for much of its time: between the ma
 every core, runs a chain of small fusions on one thread. XLA:CPU overlaps no independent work
 within one program (two members' scans in one program ran one after the other), but two programs
 called at once from two threads do overlap. On 2 cores of an Intel Xeon two speedrun members
-trained 1.31-1.34 times as fast that way as one after the other (docs/speedrun.md, "Two members at
-once"). So a run's members are split into contiguous groups, one lane per core; each lane trains
+trained 1.30-1.34 times as fast that way as one after the other (docs/speedrun.md, "Two members at
+once: lanes"). So a run's members are split into contiguous groups, one lane per core; each lane trains
 its group exactly as the one program would (the same chunk over fewer members), and their states
 and metrics are joined again at the chunk's end.
 """
@@ -33,7 +33,7 @@ def count(members: int, mesh) -> int:
     members' steps into one (vmap), and a mesh of several devices shards each batch over them."""
     if members == 1 or jax.default_backend() != "cpu" or mesh.devices.size > 1 or jax.process_count() > 1:
         return 1
-    return max(1, min(members, cores()))
+    return min(members, cores())
 
 
 def groups(members: int, lanes: int) -> list[tuple[int, int]]:
