@@ -6,8 +6,10 @@ within one program (two members' scans in one program ran one after the other), 
 called at once from two threads do overlap. On 2 cores of an Intel Xeon two speedrun members
 trained 1.30-1.34 times as fast that way as one after the other (docs/speedrun.md, "Two members at
 once: lanes"). So a run's members are split into contiguous groups, one lane per core; each lane trains
-its group exactly as the one program would (the same chunk over fewer members), and their states
-and metrics are joined again at the chunk's end.
+its group with the same chunk over fewer members, and their states and metrics are joined again at
+the chunk's end. Each member computes what the one program would (bitwise for the mlp and speedrun
+models, tested), except that a member alone in its lane runs without the members' loop, where XLA
+may round the cnn's convolutions or Muon's orthogonalization differently (by about 1e-8).
 """
 
 from __future__ import annotations
