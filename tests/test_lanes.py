@@ -22,6 +22,8 @@ def test_groups_are_contiguous_and_even():
 
 
 def test_one_lane_per_core_on_a_cpu_with_one_device(monkeypatch):
+    if jax.default_backend() != "cpu":
+        pytest.skip("lanes are a CPU's: an accelerator vmaps the members into one program")
     monkeypatch.setattr(lanes, "cores", lambda: 3)
     one_device = distributed.make_mesh(1)
     assert [lanes.count(members, one_device) for members in (1, 2, 3, 8)] == [1, 2, 3, 3]
