@@ -65,6 +65,9 @@ class Lanes:
 
     def __init__(self, lanes: list[tuple[Callable, jax.Array]]):
         self.lanes = lanes
+        # The calling thread trains the first lane, these threads the others. Kept for the object's
+        # life: starting threads for every chunk cost about 2 ms a chunk (measured with 1-step chunks).
+        self.pool = ThreadPoolExecutor(len(lanes) - 1, thread_name_prefix="fashionjax-lane")
 
     def __call__(self, *arguments):
         def train_lane(lane):
@@ -72,6 +75,6 @@ class Lanes:
             with jax.transfer_guard("disallow"):  # the guard is per thread: the hot path's rule holds here too
                 return jax.block_until_ready(program(start, *arguments))  # the thread holds its core until done
 
-        with ThreadPoolExecutor(len(self.lanes)) as pool:
-            outputs = list(pool.map(train_lane, self.lanes))
-        return join(outputs)
+        others = [self.pool.submit(train_lane, lane) for lane in self.lanes[1:]]
+        first = train_lane(self.lanes[0])
+        return join([first, *(other.result() for other in others)])
