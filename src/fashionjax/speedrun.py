@@ -152,9 +152,10 @@ def run(args, explicit: dict, out, stops, train_one) -> dict:
     weight = 1.0 if args.blend_weight is None else args.blend_weight  # OUT2's, against this run's 1
     out.note(f"scoring each seed blended with {args.blend} (weight {weight})")
     rows = [blended_row(row, partners[row["seed"]], weight, dataset, args.target) for row in rows]
+    partner_summary, partner_trained = partners[first_seed]
     return write(out_dir, rows, args.target, summary,
-                 blend={"out": args.blend, "weight": weight, "model": partners[first_seed][0]["model"],
-                        "train_flops_per_run": run_flops(partners[first_seed][0], partners[first_seed][1].config.whiten)})
+                 blend={"out": args.blend, "weight": weight, "model": partner_summary["model"],
+                        "train_flops_per_run": run_flops(partner_summary, partner_trained.config.whiten)})
 
 
 def run_flops(summary: dict, whiten: bool) -> int:
