@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fashionjax import artifacts, checkpoint, cli, data
+from fashionjax import artifacts, checkpoint, cli, data, rundir
 
 pytestmark = pytest.mark.slow
 
@@ -410,3 +410,28 @@ def test_tensorboard_events_equal_metrics_after_a_kill_and_resume(reference, tmp
     process.wait(timeout=30)
     assert resume(run_dir)["params_digest"] == reference["digest"]  # the events change nothing else
     assert_events_mirror_the_run(run_dir)  # the log points past step 60 were dropped and written once again
+
+
+def test_a_speedrun_seed_killed_before_its_first_checkpoint_starts_again(reference, tmp_path):
+    """A second speedrun on the same folder is refused while the first trains (naming --out); after
+    kill -9 before any checkpoint, the command run again trains that seed afresh, bit-identical to the
+    uninterrupted run, instead of asking for --overwrite, which speedrun does not have."""
+    out_dir = tmp_path / "record"
+    command = [sys.executable, "-m", "fashionjax", "speedrun", "--model", "mlp", *RUN, "--seeds", "1",
+               "--target", "0.5", "--out", str(out_dir), "--json"]
+    long = [*command, "--steps", "100000", "--schedule", "constant", "--checkpoint-every", "100000"]
+    first = subprocess.Popen(long, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (out_dir / "seed-0" / "metrics.jsonl").is_file() and steps_of(out_dir / "seed-0"), first)
+    code, out, err = finish(subprocess.Popen(long, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    assert code == 1, err
+    assert json.loads(out)["error"]["message"].endswith(
+        f"{out_dir / 'seed-0'}: in use by another training (pid {first.pid}); wait for it to finish or choose "
+        "another --out")
+    assert first.poll() is None
+    first.kill()
+    first.communicate()
+    assert not rundir.has_checkpoint(out_dir / "seed-0")
+    code, out, err = finish(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    assert code == 0, err
+    assert "seed 0: training" in err
+    assert json.loads(out)["per_seed"][0]["params_digest"] == reference["digest"]

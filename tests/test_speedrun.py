@@ -364,7 +364,26 @@ def test_speedrun_refuses_a_folder_finished_with_other_settings(tmp_path, synthe
     assert cli.main(base) == 0
     capsys.readouterr()
     assert cli.main([*base, "--lr", "0.01"]) == 2
-    assert "finished with other settings" in json.loads(capsys.readouterr().out)["error"]["message"]
+    assert "finished with other settings (lr 0.002 -> 0.01)" in json.loads(capsys.readouterr().out)["error"]["message"]
+
+
+@pytest.mark.parametrize("left_off", ["--label-smoothing", "--tta-shift"])
+def test_speedrun_refuses_a_seed_of_another_recipe_even_when_the_flag_is_left_off(tmp_path, synthetic_cli, capsys,
+                                                                                    small_speedrun, left_off):
+    """The recipe's default is what the command asks for: a seed trained or scored with a flag given is
+    another recipe, not a seed to keep (nor, stopped, one to resume) when the flag is dropped."""
+    base = ["speedrun", "--seeds", "1", "--steps", "4", "--batch-size", "64", "--out", str(tmp_path), "--json"]
+    assert cli.main([*base, left_off, "0"]) == 0
+    capsys.readouterr()
+    assert cli.main(base) == 2
+    message = json.loads(capsys.readouterr().out)["error"]["message"]
+    assert f"seed-0: finished with other settings ({left_off[2:].replace('-', '_')} 0" in message
+    (tmp_path / "seed-0" / "summary.json").unlink()  # as if stopped after its last checkpoint
+    assert cli.main(base) == 2
+    assert "seed-0: started with other settings" in json.loads(capsys.readouterr().out)["error"]["message"]
+    assert cli.main([*base, left_off, "0"]) == 0  # its own recipe resumes it, to the same parameters
+    captured = capsys.readouterr()
+    assert "seed 0: resuming" in captured.err and json.loads(captured.out)["per_seed"][0]["seed"] == 0
 
 
 def test_alternating_flips_mirror_each_image_in_every_other_epoch():

@@ -166,7 +166,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     speedrun_cmd = sub.add_parser(
         "speedrun", help="the time-to-accuracy record: one recipe over N seeds, each reported",
         epilog="Each seed trains in OUT/seed-S like `fashionjax train`; running the same command again keeps "
-               "the seeds that finished and resumes the interrupted ones.")
+               "the seeds that finished, resumes the interrupted ones and starts again one stopped before its "
+               "first checkpoint. A seed of another recipe is refused.")
     speedrun_cmd.add_argument("--seeds", type=int, default=5, help="how many seeds, from --seed on (default 5)")
     speedrun_cmd.add_argument("--target", type=float, default=0.94,
                               help="test accuracy a seed must reach (default 0.94)")

@@ -3,7 +3,8 @@ seed, the mean and spread, how many reached the target and how fast.
 
 Each seed is an ordinary run directory (OUT/seed-S) trained by the train command's own code, so
 locks, signals, checkpoints and resume behave exactly as there. Running the same command again
-keeps the seeds that finished and resumes the ones that were interrupted.
+keeps the seeds that finished, resumes the ones that were interrupted and starts again one stopped
+before its first checkpoint; a seed's directory from another recipe is refused, never mixed in.
 
 With --blend OUT2 each seed is scored together with OUT2's run of the same seed (another speedrun's
 output, of any recipe): the record is then the blend's accuracy and both runs' training.
@@ -12,16 +13,19 @@ output, of any recipe): the record is then the blend's accuracy and both runs' t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 from pathlib import Path
 
 from fashionjax import artifacts, data, environment, models, rundir
 from fashionjax import blend as blend_lib
+from fashionjax import config as config_lib
 from fashionjax import run as run_lib
 from fashionjax.checkpoint import CheckpointError
 from fashionjax.config import ConfigError
 from fashionjax.signals import Interrupted
+from fashionjax.train_command import fresh_config
 
 SPEEDRUN_JSON = "speedrun.json"
 
@@ -62,21 +66,33 @@ def aggregate(rows: list[dict], target: float) -> dict:
     }
 
 
-def seed_arguments(args: argparse.Namespace, run_dir: Path, resume: bool) -> argparse.Namespace:
+def seed_arguments(args: argparse.Namespace, run_dir: Path, resume: bool, overwrite: bool = False) -> argparse.Namespace:
     """The train command's arguments for one seed's run directory (single process)."""
-    return argparse.Namespace(**vars(args), run_dir=str(run_dir), resume=resume, overwrite=False, coordinator=None,
+    return argparse.Namespace(**vars(args), run_dir=str(run_dir), resume=resume, overwrite=overwrite, coordinator=None,
                               num_processes=None, process_id=None, auto_distributed=False, coordinator_timeout=60.0)
 
 
-def finished_summary(run_dir: Path, wanted: dict) -> dict | None:
-    """A seed's summary from an earlier invocation, if it finished with the same recipe; else None."""
-    summary_path = run_dir / "summary.json"
-    if not summary_path.is_file():
-        return None
-    saved = artifacts.read_json(run_dir / "config.json")["config"]
-    if any(saved.get(name) != value for name, value in wanted.items()):
-        raise ConfigError(f"{run_dir}: finished with other settings; choose another --out")
-    return dict(artifacts.read_json(summary_path), run_dir=str(run_dir))
+# What a seed's earlier run must share with this command to be kept or resumed: its trajectory, its
+# length and how its test accuracy is scored.
+RECIPE_FIELDS = (*config_lib.TRAJECTORY_FIELDS, "epochs", "steps", "tta", "tta_shift")
+
+
+def earlier_run(run_dir: Path, wanted: dict) -> str | None:
+    """What an earlier invocation left of one seed: None (nothing), "finished", "resumable" (a
+    checkpoint to go on from) or "restart" (stopped before its first checkpoint: nothing to keep).
+    A finished or resumable run of any other recipe is refused: `wanted` is this command's config."""
+    if (run_dir / "summary.json").is_file():
+        state = "finished"
+    elif rundir.has_checkpoint(run_dir):
+        state = "resumable"
+    else:
+        return "restart" if run_dir.exists() else None
+    differences = config_lib.differences(artifacts.read_json(run_dir / "config.json")["config"], wanted,
+                                         RECIPE_FIELDS)
+    if differences:
+        raise ConfigError(f"{run_dir}: {'finished' if state == 'finished' else 'started'} with other settings "
+                          f"({', '.join(differences)}); choose another --out")
+    return state
 
 
 def blend_partners(blend_dir: Path, out_dir: Path, seeds: range) -> dict[int, tuple[dict, run_lib.Trained]]:
@@ -133,14 +149,21 @@ def run(args, explicit: dict, out, stops, train_one) -> dict:
     for seed in seeds:
         seed_config = dict(explicit, seed=seed)
         run_dir = out_dir / f"seed-{seed}"
-        summary = finished_summary(run_dir, seed_config)
-        if summary is not None:
+        earlier = earlier_run(run_dir, dataclasses.asdict(fresh_config(seed_config)))
+        if earlier == "finished":
             out.note(f"seed {seed}: finished earlier in {run_dir}; keeping it")
+            summary = dict(artifacts.read_json(run_dir / "summary.json"), run_dir=str(run_dir))
         else:
-            resume = rundir.has_checkpoint(run_dir)
+            resume = earlier == "resumable"
             out.note(f"seed {seed}: {'resuming' if resume else 'training'} in {run_dir}")
+            # a run stopped before its first checkpoint holds only what fashionjax wrote: start it again
+            seed_args = seed_arguments(args, run_dir, resume, overwrite=earlier == "restart")
             try:
-                summary = train_one(seed_arguments(args, run_dir, resume), {} if resume else seed_config, out, stops)
+                summary = train_one(seed_args, seed_config, out, stops)
+            except rundir.RunDirBusy:
+                raise rundir.RunDirBusy(f"{run_dir}: in use by another training (pid "
+                                        f"{rundir.holder_pid(run_dir / rundir.LOCK)}); wait for it to finish "
+                                        "or choose another --out") from None
             except Interrupted as stop:
                 stop.outcome = (f"seed {seed}: {stop.outcome or 'stopped'}; to finish every seed, run the same "
                                 "speedrun command again (it keeps the seeds that finished and goes on from here)")
