@@ -216,6 +216,44 @@ def test_onnx_export_round_trips_for_the_speedrun_model(synthetic_cli, tmp_path,
     onnx_labels = export.onnx_callable(tmp_path / "x" / "model.onnx")(
         test.images_u8[picked].astype(np.float32) / 255).argmax(-1)
     assert onnx_labels.tolist() == [prediction["label"] for prediction in document["predictions"]]
+    import onnx  # and it holds no constant that nothing reads (onnxruntime warns of each on every load)
+
+    graphs, read, initializers = [onnx.load(tmp_path / "x" / "model.onnx").graph], set(), []
+    while graphs:
+        graph = graphs.pop()
+        initializers += [initializer.name for initializer in graph.initializer]
+        for node in graph.node:
+            read.update(node.input)
+            graphs += [attribute.g for attribute in node.attribute if attribute.type == onnx.AttributeProto.GRAPH]
+    assert len(initializers) > 1000 and set(initializers) <= read
+
+
+def test_unused_initializers_are_dropped_from_a_graph_and_the_graphs_nested_in_it():
+    import onnx
+    from onnx import TensorProto, helper
+
+    def constant(name):
+        return helper.make_tensor(name, TensorProto.FLOAT, [1], [1.0])
+
+    body = helper.make_graph(  # reads its own "step" and the outer graph's "outer"
+        [helper.make_node("Add", ["x_in", "step"], ["sum"]), helper.make_node("Add", ["sum", "outer"], ["x_out"]),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in
+         [("i", TensorProto.INT64, []), ("cond_in", TensorProto.BOOL, []), ("x_in", TensorProto.FLOAT, [1])]],
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in
+         [("cond_out", TensorProto.BOOL, []), ("x_out", TensorProto.FLOAT, [1])]],
+        initializer=[constant("step"), constant("body_unused")])
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "bias"], ["start"]),
+         helper.make_node("Loop", ["trips", "", "start"], ["y"], body=body)], "main",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        initializer=[constant("bias"), constant("outer"), constant("unused"),
+                     helper.make_tensor("trips", TensorProto.INT64, [], [3])])
+    export.drop_unused_initializers(graph)
+    assert [i.name for i in graph.initializer] == ["bias", "outer", "trips"]
+    assert [i.name for i in graph.node[1].attribute[0].g.initializer] == ["step"]
+    onnx.checker.check_model(helper.make_model(graph), full_check=True)
 
 
 def test_export_names_the_extra_when_a_converter_is_missing(mlp_run, tmp_path, capsys, monkeypatch):

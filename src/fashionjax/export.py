@@ -115,8 +115,28 @@ def onnx_bytes(classify, model_name: str, meta: dict[str, str]) -> bytes:
     proto = to_onnx(classify, inputs=[("batch", SIDE, SIDE)], model_name=f"fashionjax_{model_name}",
                     input_names=["images"], output_names=["logits"])
     onnx.helper.set_model_props(proto, meta)
+    drop_unused_initializers(proto.graph)
     onnx.checker.check_model(proto)
     return proto.SerializeToString()
+
+
+def drop_unused_initializers(graph) -> set[str]:
+    """Remove, in place, the initializers no node reads, in graph and every graph nested in it; returns
+    the names graph's nodes and nested graphs read. jax2onnx leaves constants in the scan's loop body
+    that nothing reads, and onnxruntime prints a warning for each one every time it loads the model."""
+    import onnx
+
+    read = {output.name for output in graph.output}
+    for node in graph.node:
+        read.update(node.input)
+        for attribute in node.attribute:
+            nested = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
+            for subgraph in nested:
+                read |= drop_unused_initializers(subgraph)  # a subgraph may read its outer graphs' names
+    kept = [initializer for initializer in graph.initializer if initializer.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    return read
 
 
 def onnx_callable(path: str | Path):
