@@ -35,6 +35,15 @@ class ResumeError(RuntimeError):
     """A resume that would not continue the same run."""
 
 
+class _Removed(CheckpointError):
+    """A checkpoint was removed (a live training keeps only --keep of them) while it was listed or read."""
+
+
+# How many times a reader opens the checkpoints again after the training removed one it was reading:
+# each time, a newer one has been finalized.
+READ_TRIES = 20
+
+
 def _manager(directory: Path, keep: int = 3, writer: bool = True) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=writer, read_only=not writer,
@@ -78,12 +87,15 @@ def _restore_newest(manager, checkpoint_dir: Path, args_for: Callable[[], dict],
     broken: list[int] = []
     errors = []
     wanted = None if template_params is None else _param_shapes(template_params)
-    for step in _newest_first(manager):
+    listed = _newest_first(manager)
+    for step in listed:
         if wanted is not None:
             _check_same_network(manager, step, checkpoint_dir, wanted)
         try:
             restored = manager.restore(step, args=ocp.args.Composite(**args_for()))
         except Exception as err:  # orbax reports damage as many types; any of them means "not this one"
+            if _superseded(checkpoint_dir, step, listed[0]):
+                raise _Removed(f"{checkpoint_dir}: step {step} was removed while it was read") from err
             broken.append(step)
             errors.append(f"step {step}: {_first_line(err)}")
             continue
@@ -96,19 +108,44 @@ def _restore_newest(manager, checkpoint_dir: Path, args_for: Callable[[], dict],
     raise CheckpointError(f"{checkpoint_dir}: no finalized checkpoint")
 
 
+def _superseded(checkpoint_dir: Path, step: int, newest_listed: int) -> bool:
+    """Whether a step that failed to read is being removed rather than damaged: it is gone, or a live
+    training has finalized a step newer than any listed (and so is removing the oldest)."""
+    return not (checkpoint_dir / str(step)).exists() or any(
+        path.name.isdigit() and int(path.name) > newest_listed for path in checkpoint_dir.iterdir())
+
+
+def _read(checkpoint_dir: Path, read: Callable):
+    """read(manager) with a read-only manager of checkpoint_dir, which a live training may be changing:
+    when it removes a checkpoint while the manager lists or reads it, the directory is opened again."""
+    for _ in range(READ_TRIES):
+        try:
+            manager = _manager(checkpoint_dir, writer=False)
+        except FileNotFoundError:  # a step removed while the manager listed the steps
+            continue
+        try:
+            return read(manager)
+        except _Removed:
+            continue
+        finally:
+            manager.close()
+    raise CheckpointError(f"{checkpoint_dir}: the training removed each checkpoint before it could be read "
+                          f"({READ_TRIES} tries); try again, or train with a larger --keep")
+
+
 def latest_meta(checkpoint_dir: str | Path, note: Callable[[str], None] = lambda message: None) -> dict | None:
     """The metadata of the newest readable checkpoint (read-only), or None when there is none."""
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         return None
-    manager = _manager(checkpoint_dir, writer=False)
-    try:
+
+    def newest_meta(manager):
         if not manager.all_steps():
             return None
         _, restored, _ = _restore_newest(manager, checkpoint_dir, lambda: {"meta": ocp.args.JsonRestore()}, note)
         return restored["meta"]
-    finally:
-        manager.close()
+
+    return _read(checkpoint_dir, newest_meta)
 
 
 def _saved_fields(state) -> dict:
@@ -127,12 +164,8 @@ def read_latest(checkpoint_dir: str | Path, template_state, note: Callable[[str]
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise CheckpointError(f"{checkpoint_dir}: no finalized checkpoint")
-    manager = _manager(checkpoint_dir, writer=False)
-    try:
-        step, restored, _ = _restore_newest(manager, checkpoint_dir, lambda: _state_args(template_state), note,
-                                            template_state.params)
-    finally:
-        manager.close()
+    step, restored, _ = _read(checkpoint_dir, lambda manager: _restore_newest(
+        manager, checkpoint_dir, lambda: _state_args(template_state), note, template_state.params))
     return step, type(template_state)(**restored["state"]), restored["meta"]
 
 
