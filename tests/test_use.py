@@ -256,6 +256,22 @@ def test_unused_initializers_are_dropped_from_a_graph_and_the_graphs_nested_in_i
     onnx.checker.check_model(helper.make_model(graph), full_check=True)
 
 
+def test_an_output_file_flag_naming_a_folder_is_refused_before_any_work(mlp_run, tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "a folder"
+    folder.mkdir()
+    picture = tmp_path / "picture.png"
+    Image.fromarray(np.zeros((28, 28), np.uint8)).save(picture)
+    monkeypatch.setattr(run_lib, "load_trained", None)  # refused before the model loads
+    for argv in (["predict", str(mlp_run), str(picture), "--save-preprocessed", str(folder)],
+                 ["report", str(mlp_run), "--out", str(folder)]):
+        code, document = call(capsys, *argv)
+        assert code == 1 and document["error"]["message"].endswith(f"{folder}: is a directory; name a file to write")
+    assert list(folder.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["a folder", "picture.png"]
+    monkeypatch.undo()
+    code, document = call(capsys, "report", str(mlp_run), "--out", str(tmp_path / "new" / "page.html"))
+    assert code == 0 and (tmp_path / "new" / "page.html").stat().st_size > 1000  # its folder made, as --out's are
+
+
 def test_export_names_the_extra_when_a_converter_is_missing(mlp_run, tmp_path, capsys, monkeypatch):
     real_find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "jax2onnx" else

@@ -141,6 +141,16 @@ def utc_stamp() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
 
 
+def ensure_file_target(path: str | Path) -> Path:
+    """An output file's path, checked before any work: not a directory, and its directory created and
+    writable (so a flag naming a folder fails at once, naming it, not after the work as a rename)."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputDirError(f"{path}: is a directory; name a file to write")
+    ensure_dir(path.parent)
+    return path
+
+
 def ensure_dir(directory: str | Path) -> Path:
     """Create an output directory (keeping what is in it) and check that it takes files."""
     directory = Path(directory)

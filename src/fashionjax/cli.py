@@ -323,7 +323,7 @@ def _run_dir(text: str) -> Path:
 
 
 def cmd_predict(args, out) -> int:
-    from fashionjax import console, evaluate, predict
+    from fashionjax import artifacts, console, evaluate, predict
     from fashionjax import run as run_lib
     from fashionjax.data import CLASS_NAMES
     from fashionjax.report import plots
@@ -332,6 +332,8 @@ def cmd_predict(args, out) -> int:
     if not 1 <= args.top_k <= len(CLASS_NAMES):
         raise ConfigError(f"--top-k must be between 1 and {len(CLASS_NAMES)}, got {args.top_k}")
     paths = predict.image_paths(args.paths)
+    if args.save_preprocessed:
+        artifacts.ensure_file_target(args.save_preprocessed)
     trained = run_lib.load_trained(run_dir, out.note)
     config = trained.config
     classify = evaluate.run_classifier(config, trained.params)
@@ -378,14 +380,14 @@ def cmd_export(args, out) -> int:
 
 
 def cmd_report(args, out) -> int:
-    from fashionjax import rundir
+    from fashionjax import artifacts, rundir
     from fashionjax.report import render
 
     run_dir = _run_dir(args.run_dir)
     if args.bench and not Path(args.bench).is_file():
         raise ConfigError(f"{args.bench}: no such bench.json")
     if args.out:
-        path = render.render(run_dir, args.bench, target=Path(args.out))
+        path = render.render(run_dir, args.bench, target=artifacts.ensure_file_target(args.out))
     else:
         pid = rundir.is_live(run_dir)
         if pid is not None:
