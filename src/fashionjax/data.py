@@ -108,9 +108,10 @@ class Dataset:
 # ---------------------------------------------------------------- parsing
 
 
-def parse_idx(raw: bytes, spec: FileSpec) -> np.ndarray:
-    """Parse decompressed IDX bytes strictly; raise DataError naming the fault."""
-    name = spec.name
+def parse_idx(raw: bytes, spec: FileSpec, name: str | None = None) -> np.ndarray:
+    """Parse decompressed IDX bytes strictly; raise DataError naming the file (name, default the
+    spec's) and the fault."""
+    name = name or spec.name
     if len(raw) < 8:
         raise DataError(f"{name}: too short for an IDX header ({len(raw)} bytes)")
     (magic,) = struct.unpack(">I", raw[:4])
@@ -139,7 +140,7 @@ def parse_idx(raw: bytes, spec: FileSpec) -> np.ndarray:
 
 def read_gz(path: Path, spec: FileSpec) -> tuple[bytes, dict]:
     """Read, decompress and identify one file; returns the raw bytes and its verification record."""
-    name = path.name
+    name = str(path)  # the whole path: the same name can sit in the cache and in --data-dir
     try:
         blob = path.read_bytes()
     except OSError as err:
@@ -168,14 +169,14 @@ def read_gz(path: Path, spec: FileSpec) -> tuple[bytes, dict]:
 def verify_file(path: Path, spec: FileSpec) -> tuple[np.ndarray, dict]:
     """Decompress, parse and checksum one file; returns its array and how it was verified."""
     raw, record = read_gz(path, spec)
-    array = parse_idx(raw, spec)
+    array = parse_idx(raw, spec, str(path))
     if record["gz_md5"] == spec.gz_md5:
         record["verified_by"] = "gzip md5 (upstream file)"
     elif record["raw_md5"] == spec.raw_md5:
         record["verified_by"] = "decompressed md5 (recompressed copy)"
     else:
         raise DataError(
-            f"{path.name}: checksum mismatch (md5 of content {record['raw_md5']}, expected {spec.raw_md5})"
+            f"{path}: checksum mismatch (md5 of content {record['raw_md5']}, expected {spec.raw_md5})"
         )
     return array, record
 
@@ -195,7 +196,8 @@ def load_dir(directory: Path, spec: DatasetSpec) -> Dataset:
         images_u8, labels = arrays
         if len(images_u8) != len(labels):
             raise DataError(
-                f"{labels_spec.name}: {len(labels)} labels for {len(images_u8)} images in {images_spec.name}"
+                f"{directory / labels_spec.name}: {len(labels)} labels for {len(images_u8)} images in "
+                f"{images_spec.name}"
             )
         splits[split] = Split(images_u8, labels)
     return Dataset(splits["train"], splits["test"], {"path": str(directory), "files": files})
