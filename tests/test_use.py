@@ -218,14 +218,14 @@ def test_onnx_export_round_trips_for_the_speedrun_model(synthetic_cli, tmp_path,
     assert onnx_labels.tolist() == [prediction["label"] for prediction in document["predictions"]]
     import onnx  # and it holds no constant that nothing reads (onnxruntime warns of each on every load)
 
-    graphs, read, initializers = [onnx.load(tmp_path / "x" / "model.onnx").graph], set(), []
+    graphs, read, initializers, visited = [onnx.load(tmp_path / "x" / "model.onnx").graph], set(), [], 0
     while graphs:
-        graph = graphs.pop()
+        graph, visited = graphs.pop(), visited + 1
         initializers += [initializer.name for initializer in graph.initializer]
         for node in graph.node:
             read.update(node.input)
             graphs += [attribute.g for attribute in node.attribute if attribute.type == onnx.AttributeProto.GRAPH]
-    assert len(initializers) > 1000 and set(initializers) <= read
+    assert visited > 1 and initializers and set(initializers) <= read  # the TTA scan's loop body was read too
 
 
 def test_unused_initializers_are_dropped_from_a_graph_and_the_graphs_nested_in_it():
