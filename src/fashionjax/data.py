@@ -108,10 +108,8 @@ class Dataset:
 # ---------------------------------------------------------------- parsing
 
 
-def parse_idx(raw: bytes, spec: FileSpec, name: str | None = None) -> np.ndarray:
-    """Parse decompressed IDX bytes strictly; raise DataError naming the file (name, default the
-    spec's) and the fault."""
-    name = name or spec.name
+def parse_idx(raw: bytes, spec: FileSpec, name: str) -> np.ndarray:
+    """Parse decompressed IDX bytes strictly; raise DataError naming the file (`name`) and the fault."""
     if len(raw) < 8:
         raise DataError(f"{name}: too short for an IDX header ({len(raw)} bytes)")
     (magic,) = struct.unpack(">I", raw[:4])
@@ -139,24 +137,24 @@ def parse_idx(raw: bytes, spec: FileSpec, name: str | None = None) -> np.ndarray
 
 
 def read_gz(path: Path, spec: FileSpec) -> tuple[bytes, dict]:
-    """Read, decompress and identify one file; returns the raw bytes and its verification record."""
-    name = str(path)  # the whole path: the same name can sit in the cache and in --data-dir
+    """Read, decompress and identify one file; returns the raw bytes and its verification record.
+    Faults name the whole path: the same name sits in the cache, Debian's directory and --data-dir."""
     try:
         blob = path.read_bytes()
     except OSError as err:
         raise DataError(f"{path}: cannot read ({err.strerror})") from err
     if not blob:
-        raise DataError(f"{name}: file is empty")
+        raise DataError(f"{path}: file is empty")
     if blob[:2] != b"\x1f\x8b":
         head = blob[:64].lstrip().lower()
         hint = " (looks like an HTML page, not gzip data)" if head.startswith((b"<!doctype", b"<html")) else ""
-        raise DataError(f"{name}: not a gzip file{hint}")
+        raise DataError(f"{path}: not a gzip file{hint}")
     try:
         raw = gzip.decompress(blob)
     except EOFError as err:
-        raise DataError(f"{name}: truncated gzip data ({len(blob)} bytes)") from err
+        raise DataError(f"{path}: truncated gzip data ({len(blob)} bytes)") from err
     except (OSError, zlib.error) as err:
-        raise DataError(f"{name}: corrupt gzip data ({err})") from err
+        raise DataError(f"{path}: corrupt gzip data ({err})") from err
     record = {
         "file": str(path),
         "gz_md5": hashlib.md5(blob).hexdigest(),

@@ -49,6 +49,12 @@ def holder_pid(lock_path: Path) -> str:
         return "unknown"
 
 
+def busy(path: Path, flag: str = "--run-dir") -> RunDirBusy:
+    """The refusal of a directory another training holds, naming the flag that chooses another."""
+    return RunDirBusy(f"{path}: in use by another training (pid {holder_pid(path / LOCK)}); "
+                      f"wait for it to finish or choose another {flag}")
+
+
 def _try_lock(lock_path: Path, create: bool) -> int | None:
     """An fd holding an exclusive flock on lock_path, or None when another process holds it."""
     flags = os.O_RDWR | (os.O_CREAT if create else 0)
@@ -131,8 +137,7 @@ class RunDir:
         except OSError as err:
             raise RunDirError(f"{path}: output directory is not writable ({err.strerror})") from err
         if fd is None:
-            raise RunDirBusy(f"{path}: in use by another training (pid {holder_pid(path / LOCK)}); "
-                             "wait for it to finish or choose another --run-dir")
+            raise busy(path)
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         owned = cls(path, fd, created)

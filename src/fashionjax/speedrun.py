@@ -161,9 +161,7 @@ def run(args, explicit: dict, out, stops, train_one) -> dict:
             try:
                 summary = train_one(seed_args, seed_config, out, stops)
             except rundir.RunDirBusy:
-                raise rundir.RunDirBusy(f"{run_dir}: in use by another training (pid "
-                                        f"{rundir.holder_pid(run_dir / rundir.LOCK)}); wait for it to finish "
-                                        "or choose another --out") from None
+                raise rundir.busy(run_dir, "--out") from None  # speedrun's flag for the folder
             except Interrupted as stop:
                 stop.outcome = (f"seed {seed}: {stop.outcome or 'stopped'}; to finish every seed, run the same "
                                 "speedrun command again (it keeps the seeds that finished and goes on from here)")
