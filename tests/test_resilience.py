@@ -22,9 +22,11 @@ pytestmark = pytest.mark.slow
 RUN = ["--steps", "160", "--batch-size", "1024", "--log-every", "10", "--offline"]
 
 
-def start(run_dir: Path, *extra: str, env=None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fashionjax", "train", *RUN, "--run-dir", str(run_dir), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+def start(run_dir: Path, *extra: str, env=None, shell_setup: str = "") -> subprocess.Popen:
+    command = [sys.executable, "-m", "fashionjax", "train", *RUN, "--run-dir", str(run_dir), *extra]
+    if shell_setup:  # a limit set in a shell that then becomes the training (no fork of this threaded process)
+        command = ["bash", "-c", f'{shell_setup} && exec "$@"', "bash", *command]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
 
 
@@ -166,6 +168,19 @@ def test_failed_checkpoint_write_is_an_error_and_keeps_the_previous(tmp_path, sy
     assert code == 1
     assert "checkpoint at step 20 could not be written" in err and "No space left on device" in err
     assert checkpoint.latest_meta(run_dir / "checkpoints")["step"] == 10
+
+
+def test_a_real_write_fault_in_a_checkpoint_is_one_line_naming_the_cause(tmp_path):
+    """A file-size limit (ulimit -f; Python ignores SIGXFSZ, so writes past it fail with EFBIG) lets the
+    small run files through and stops the checkpoint's data file, as a full disk would, without root."""
+    code, out, err = finish(start(tmp_path / "run", "--json", shell_setup="ulimit -f 300"))
+    assert code == 1
+    error = json.loads(out)["error"]
+    assert error["kind"] == "checkpoint" and error["exit_code"] == 1
+    assert error["message"].endswith("checkpoint at step 60 could not be written to "
+                                     f"{tmp_path / 'run' / 'checkpoints'}: {os.strerror(27)}")
+    assert "Traceback" not in err and "absl" not in err  # orbax's own logging stays quiet
+    assert err.strip().splitlines()[-1] == error["message"]
 
 
 def test_unwritable_run_dir_fails_before_training(tmp_path, synthetic_cli, capsys):

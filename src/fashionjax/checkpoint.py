@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,9 +24,10 @@ from fashionjax import config as config_lib
 from fashionjax import plan as plan_lib
 from fashionjax.config import TRAJECTORY_FIELDS, TrainConfig
 
-# Orbax logs every save at INFO, and its option adjustments at WARNING, through absl: keep stderr for
-# our own one-line messages.
-logging.getLogger("absl").setLevel(logging.ERROR)
+# Orbax logs every save at INFO, its option adjustments at WARNING and a failed write at ERROR with a
+# traceback per thread (about 100 lines on a full disk), all through absl. Each fault also reaches us as
+# an exception, which the CLI names in one line (--debug: the whole chain): keep stderr for that line.
+logging.getLogger("absl").setLevel(logging.CRITICAL)
 
 
 class CheckpointError(RuntimeError):
@@ -194,7 +197,8 @@ class Checkpointer:
                 state=ocp.args.StandardSave(_saved_fields(state)), meta=ocp.args.JsonSave(meta)), force=True)
             self.manager.wait_until_finished()
         except Exception as err:  # orbax surfaces I/O faults as many types; name the step and the cause
-            raise CheckpointError(f"checkpoint at step {step} could not be written: {_first_line(err)}") from err
+            raise CheckpointError(f"checkpoint at step {step} could not be written to {self.directory}: "
+                                  f"{_first_line(err)}") from err
 
     def restore_latest(self, template_state, note: Callable[[str], None] = lambda message: None):
         """(step, state, meta) of the newest intact checkpoint; unreadable newer ones are removed,
@@ -221,6 +225,13 @@ def check_resume(meta: dict, config: TrainConfig, plan: plan_lib.Plan) -> None:
 
 
 def _first_line(err: BaseException) -> str:
+    """The cause in a few words: the OS's own for an I/O fault (tensorstore wraps it in a paragraph
+    that names its internal files), else the error's first line."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.strerror}: {err.filename}" if err.filename else err.strerror
+    os_error = re.search(r"os_error_code='?(\d+)", str(err))
+    if os_error:
+        return os.strerror(int(os_error.group(1)))
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
