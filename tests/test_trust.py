@@ -220,6 +220,38 @@ def test_an_out_that_is_a_file_is_named_and_kept(finished_run, tmp_path, synthet
     assert blocker.read_text() == "the user's notes"
 
 
+def test_a_write_that_fails_part_way_names_the_file_and_leaves_no_temp(finished_run, tmp_path):
+    """A real short write (ulimit -f; Python ignores SIGXFSZ, so write() fails with EFBIG as on a full
+    disk): the message names the file asked for, not a temp name or none, and nothing half-written stays."""
+    target = tmp_path / "out" / "report.html"
+    command = [sys.executable, "-m", "fashionjax", "report", str(finished_run), "--out", str(target), "--json"]
+    done = subprocess.run(["bash", "-c", 'ulimit -f 20 && exec "$@"', "bash", *command],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    error = json.loads(done.stdout)["error"]
+    assert error["kind"] == "io"
+    assert error["message"] == f"fashionjax report: [Errno 27] {os.strerror(27)}: '{target}'"
+    assert list(target.parent.iterdir()) == []
+
+
+def test_run_file_writes_name_their_file_whatever_step_fails(tmp_path, monkeypatch):
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    target = tmp_path / "summary.json"
+    for step in ("mkstemp", "fsync", "replace"):
+        with monkeypatch.context() as patch:
+            patch.setattr(artifacts.tempfile if step == "mkstemp" else artifacts.os, step, full_disk)
+            with pytest.raises(OSError) as raised:
+                artifacts.atomic_write_json(target, {"a": 1})
+        assert (raised.value.errno, raised.value.filename) == (28, str(target)), step
+        assert list(tmp_path.iterdir()) == [], step
+    monkeypatch.setattr(artifacts.os, "fsync", full_disk)
+    with pytest.raises(OSError) as raised:
+        artifacts.append_jsonl(tmp_path / "metrics.jsonl", [{"step": 1}])
+    assert raised.value.filename == str(tmp_path / "metrics.jsonl")
+
+
 def test_commands_sharing_an_out_both_find_it_writable(tmp_path):
     # each probe is its own file: one command's cleanup never removes another's probe mid-check
     failures: list[str] = []

@@ -32,7 +32,10 @@ class OutputDirError(RuntimeError):
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:
+        raise _naming(err, path) from err
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; artifacts are for sharing
         with os.fdopen(fd, "wb") as f:
@@ -40,11 +43,19 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(err, OSError):
+            raise _naming(err, path) from err
         raise
     _fsync_dir(path.parent)
+
+
+def _naming(err: OSError, path: Path) -> OSError:
+    """The same fault naming the file the user asked for: a full disk or a size limit fails in write(),
+    whose error names no file, and mkstemp's names a temp file the user never sees."""
+    return type(err)(err.errno, err.strerror, str(path)) if err.errno else err
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
@@ -93,10 +104,13 @@ def read_json(path: str | Path):
 def append_jsonl(path: str | Path, records: Iterable[dict]) -> None:
     """Append records and fsync: a crash loses at most the line being written."""
     lines = "".join(json.dumps(_finite(r), sort_keys=True, default=_json_default) + "\n" for r in records)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(lines)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(lines)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:  # a torn line is cut off by the resume that follows (truncate_jsonl)
+        raise _naming(err, Path(path)) from err
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
