@@ -7,6 +7,7 @@ import importlib.util
 import json
 import sys
 import types
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -130,6 +131,19 @@ def test_a_non_image_among_images_is_named_and_the_others_are_predicted(mlp_run,
     assert sorted(f["path"].rsplit("/", 1)[1] for f in document["failures"]) == ["README.txt", "notes.png", "torn.png"]
     assert len(document["predictions"]) == 3
     assert sum("notes.png: not a readable image" in line for line in captured.err.splitlines()) == 1
+
+
+def test_a_blank_picture_is_classified_and_flagged(mlp_run, real_dataset, tmp_path, capsys):
+    Image.new("RGBA", (40, 30), (0, 0, 0, 0)).save(tmp_path / "transparent.png")  # white once composited
+    Image.new("L", (28, 28), 0).save(tmp_path / "black.png")  # already in the dataset's form
+    Image.new("RGB", (90, 60), (200, 30, 30)).save(tmp_path / "red.jpg")
+    Image.fromarray(real_dataset.test.images_u8[PICKED[0]]).save(tmp_path / "garment.png")
+    assert cli.main(["predict", str(mlp_run), str(tmp_path), "--json"]) == 0
+    captured = capsys.readouterr()
+    blank = {Path(row["path"]).name: row["blank"] for row in json.loads(captured.out)["predictions"]}
+    assert blank == {"black.png": True, "garment.png": False, "red.jpg": True, "transparent.png": True}
+    notes = [line for line in captured.err.splitlines() if ": blank (" in line]
+    assert len(notes) == 3 and all(line.endswith("its class says nothing about it") for line in notes)
 
 
 def test_predict_with_no_readable_image_says_only_why(mlp_run, tmp_path, capsys):

@@ -341,6 +341,10 @@ def cmd_predict(args, out) -> int:
     rows = [item.to_dict(CLASS_NAMES, args.top_k) for item in predictions]
     for failure in failures:
         out.error(f"fashionjax predict: {failure['message']}")
+    for row in rows:
+        if row["blank"]:
+            out.note(f"{row['path']}: blank (nothing stands out from its background); its class says nothing "
+                     "about it")
     if rows:  # when every image failed, their error lines say all there is
         out.show(console.table(f"predictions of {run_dir} (checkpoint step {trained.step})",
                                ["image", "class", "probability", "next"],

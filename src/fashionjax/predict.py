@@ -105,11 +105,17 @@ class Prediction:
     image_u8: np.ndarray  # what the model saw
     probabilities: np.ndarray  # (10,)
 
+    @property
+    def blank(self) -> bool:
+        """Nothing stood out from the background (one grey level): the class is the model's guess for an
+        empty canvas, not about the picture."""
+        return not self.image_u8.any()
+
     def to_dict(self, class_names: Sequence[str], top_k: int) -> dict:
         order = np.argsort(-self.probabilities, kind="stable")[:top_k]
         top = [{"label": int(k), "class": class_names[k], "probability": float(self.probabilities[k])}
                for k in order]
-        return {"path": self.path, **top[0], "top_k": top}
+        return {"path": self.path, **top[0], "top_k": top, "blank": self.blank}
 
 
 def predict(classify, paths: Iterable[Path]) -> tuple[list[Prediction], list[dict]]:
