@@ -161,6 +161,22 @@ def test_unreachable_coordinator_is_one_line_naming_it_in_bounded_time(tmp_path)
     assert not (tmp_path / "run").exists()
 
 
+def test_a_process_that_never_arrives_is_one_line_in_process_0_in_bounded_time(tmp_path):
+    """JAX's own start-up barrier would abort process 0 from C++ (exit 134, a stack trace, no JSON)."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "fashionjax", "train", "--coordinator", coordinator,
+                             "--num-processes", "3", "--process-id", "0", "--coordinator-timeout", "3",
+                             "--run-dir", str(tmp_path / "run"), "--json"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and time.monotonic() - started < 30
+    line = [line for line in result.stderr.splitlines() if line.strip()]
+    assert line == [f"fashionjax train: only 1 of 3 processes arrived within 3 s (missing --process-id 1, 2); "
+                    f"start each with --coordinator {coordinator} --num-processes 3"]
+    assert json.loads(result.stdout)["error"]["message"] == line[0]
+    assert not (tmp_path / "run").exists()
+
+
 def test_batch_norm_over_four_devices_matches_one(real_dataset, tmp_path):
     """The speedrun network's batch statistics are the global batch's, however the batch is split:
     the first four steps' losses agree to float tolerance (statistics of each 32-image shard would

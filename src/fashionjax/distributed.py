@@ -7,11 +7,9 @@ collectives.
 
 from __future__ import annotations
 
-import socket
-import time
-
 import numpy as np
 
+from fashionjax import rendezvous
 from fashionjax.config import ConfigError
 
 DATA_AXIS = "data"
@@ -20,34 +18,11 @@ DATA_AXIS = "data"
 HEARTBEAT_SECONDS = 20  # a dead peer is noticed within this, instead of JAX's default 100 s
 
 
-class CoordinatorError(RuntimeError):
-    """The coordinator of a multi-process run could not be reached in time."""
-
-
 def parse_address(coordinator: str) -> tuple[str, int]:
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"--coordinator {coordinator!r}: expected HOST:PORT")
     return host.strip("[]"), int(port)
-
-
-def wait_for_coordinator(coordinator: str, timeout: float) -> None:
-    """Return once the coordinator accepts TCP connections; CoordinatorError after `timeout` seconds.
-
-    JAX itself would wait its own timeout and then abort the process from C++; this check turns an
-    unreachable address into one line naming it.
-    """
-    host, port = parse_address(coordinator)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=min(2.0, timeout)):
-                return
-        except OSError as err:
-            if time.monotonic() >= deadline:
-                raise CoordinatorError(f"cannot reach the coordinator at {coordinator} within {timeout:g} s "
-                                       f"({err.strerror or err}); is process 0 running there?") from None
-        time.sleep(0.2)
 
 
 def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None,
@@ -63,10 +38,12 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
         raise ConfigError(f"--process-id {process_id} is outside 0..{num_processes - 1}")
     if not timeout > 0:
         raise ConfigError(f"--coordinator-timeout must be positive, got {timeout}")
-    if coordinator is not None:
-        parse_address(coordinator)
-        if process_id:  # process 0 is the coordinator: the others check that it is there
-            wait_for_coordinator(coordinator, timeout)
+    if coordinator is not None:  # every process checks in first: a missing one is a one-line error everywhere
+        address = parse_address(coordinator)
+        if process_id:
+            rendezvous.check_in(coordinator, address, process_id, num_processes, timeout)
+        else:
+            rendezvous.gather(coordinator, address[1], num_processes, timeout)
     # CPU processes need a collectives backend for cross-process all-reduce; GPUs use NCCL anyway.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(

@@ -1,0 +1,130 @@
+"""The roll call before jax.distributed starts: every process of a multi-process run checks in with
+process 0 on the coordinator's own port, and JAX starts only once all of them are there.
+
+Without it a missing process, or one started with another --num-processes, is found by JAX's own
+start-up barrier, which aborts every process from C++ after its timeout (a stack trace, exit 134, no
+JSON). With it, each process says what is wrong in one line and exits 1. Process 0 lets the port go
+before JAX binds it: the others hang up first, so no closed connection holds it (TIME_WAIT stays on
+their side).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+
+GREETING = "fashionjax-roll-call"
+POLL_SECONDS = 0.2  # how often a wait looks at its deadline (and lets a signal through)
+REPLY_GRACE_SECONDS = 5.0  # process 0 gives up at its own deadline: waiting a little longer hears its reason
+
+
+class CoordinatorError(RuntimeError):
+    """The processes of a multi-process run did not all arrive, or do not agree, in time."""
+
+
+def gather(coordinator: str, port: int, num_processes: int, timeout: float) -> None:
+    """Process 0: wait for processes 1..N-1 to check in, then release them all (or refuse them all)."""
+    deadline = time.monotonic() + timeout
+    try:
+        server = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True) \
+            if socket.has_dualstack_ipv6() else socket.create_server(("", port))
+    except OSError as err:
+        raise CoordinatorError(f"cannot listen on port {port} of {coordinator} for the other processes "
+                               f"({err.strerror or err}); is another run using it?") from None
+    peers: dict[int, socket.socket] = {}
+    with server:
+        server.settimeout(POLL_SECONDS)
+        try:
+            while len(peers) < num_processes - 1:
+                if time.monotonic() >= deadline:
+                    missing = ", ".join(str(i) for i in range(1, num_processes) if i not in peers)
+                    raise CoordinatorError(f"only {len(peers) + 1} of {num_processes} processes arrived within "
+                                           f"{timeout:g} s (missing --process-id {missing}); start each with "
+                                           f"--coordinator {coordinator} --num-processes {num_processes}")
+                _admit(server, peers, num_processes, deadline)
+        except BaseException as err:
+            for peer in peers.values():
+                _tell(peer, f"stop {err}" if isinstance(err, CoordinatorError) else "stop process 0 stopped")
+            raise
+        for peer in peers.values():
+            _tell(peer, "go")
+        for peer in peers.values():  # they hang up first: the port is free for JAX at once
+            with peer:
+                peer.settimeout(5.0)
+                with contextlib.suppress(OSError):
+                    peer.recv(1)
+
+
+def _admit(server: socket.socket, peers: dict[int, socket.socket], num_processes: int, deadline: float) -> None:
+    """Take one caller if one is waiting; a stranger is dropped, a process that disagrees stops all."""
+    try:
+        connection, _ = server.accept()
+    except TimeoutError:
+        return
+    words = _read_line(connection, min(deadline, time.monotonic() + 5.0)).split()
+    if len(words) != 3 or words[0] != GREETING or not words[1].isdigit() or not words[2].isdigit():
+        connection.close()  # not one of ours (a port scan, a health check)
+        return
+    process_id, their_count = int(words[1]), int(words[2])
+    if their_count != num_processes:
+        problem = f"process {process_id} was started with --num-processes {their_count}, process 0 with {num_processes}"
+    elif process_id in peers or not 0 < process_id < num_processes:
+        problem = f"two processes were started with --process-id {process_id}"
+    else:
+        peers[process_id] = connection
+        return
+    _tell(connection, f"stop {problem}")
+    connection.close()
+    raise CoordinatorError(problem)  # gather tells the others
+
+
+def check_in(coordinator: str, address: tuple[str, int], process_id: int, num_processes: int, timeout: float) -> None:
+    """Process 1..N-1: report to process 0 and wait for its word that every process is there."""
+    deadline = time.monotonic() + timeout
+    connection = _connect(coordinator, address, deadline, timeout)
+    with connection:
+        connection.sendall(f"{GREETING} {process_id} {num_processes}\n".encode())
+        answer = _read_line(connection, deadline + REPLY_GRACE_SECONDS)
+    if answer == "go":
+        return
+    if answer.startswith("stop "):
+        raise CoordinatorError(f"process 0 at {coordinator}: {answer[5:]}")
+    raise CoordinatorError(f"process 0 at {coordinator} did not report all {num_processes} processes present within "
+                           f"{timeout:g} s; start each with --coordinator {coordinator} --num-processes {num_processes}")
+
+
+def _connect(coordinator: str, address: tuple[str, int], deadline: float, timeout: float) -> socket.socket:
+    while True:
+        try:
+            return socket.create_connection(address, timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise CoordinatorError(f"cannot reach the coordinator at {coordinator} within {timeout:g} s "
+                                       f"({err.strerror or err}); is process 0 running there?") from None
+        time.sleep(POLL_SECONDS)
+
+
+def _read_line(connection: socket.socket, deadline: float) -> str:
+    """One short line, or '' when the other side hangs up or the deadline passes first."""
+    received = b""
+    while not received.endswith(b"\n") and len(received) < 1024:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return ""
+        connection.settimeout(min(POLL_SECONDS, remaining))
+        try:
+            chunk = connection.recv(1024)
+        except TimeoutError:
+            continue
+        except OSError:
+            return ""
+        if not chunk:
+            return ""
+        received += chunk
+    return received.decode("utf-8", "replace").strip()
+
+
+def _tell(connection: socket.socket, line: str) -> None:
+    with contextlib.suppress(OSError):  # it has gone: it will say so itself
+        connection.sendall(f"{line}\n".encode())

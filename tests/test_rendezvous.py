@@ -1,0 +1,99 @@
+"""The roll call of a multi-process run, on loopback sockets in threads (JAX never starts here)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from fashionjax import rendezvous
+from fashionjax.rendezvous import CoordinatorError
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def roll_call(num_processes: int, callers: list[tuple[int, int]], timeout: float = 3.0, before_callers=None):
+    """Process 0 gathers in a thread while each (process_id, their --num-processes) checks in from its
+    own thread; returns {who: None or the error message}, process 0 under "leader"."""
+    port = free_port()
+    coordinator = f"127.0.0.1:{port}"
+    outcomes: dict = {}
+
+    def run(who, call):
+        try:
+            call()
+            outcomes[who] = None
+        except CoordinatorError as err:
+            outcomes[who] = str(err)
+
+    threads = [threading.Thread(target=run, args=("leader", lambda: rendezvous.gather(
+        coordinator, port, num_processes, timeout)))]
+    threads[0].start()
+    if before_callers:
+        before_callers(port)
+    for index, (process_id, count) in enumerate(callers):
+        threads.append(threading.Thread(target=run, args=(index, lambda p=process_id, c=count: rendezvous.check_in(
+            coordinator, ("127.0.0.1", port), p, c, timeout))))
+        threads[-1].start()
+    for thread in threads:
+        thread.join(timeout + 10)
+    return outcomes, coordinator, port
+
+
+def test_everyone_present_goes_and_the_port_is_free_for_jax_at_once():
+    outcomes, _, port = roll_call(3, [(2, 3), (1, 3)])
+    assert outcomes == {"leader": None, 0: None, 1: None}
+    with socket.create_server(("", port)):  # what JAX's coordination service does next
+        pass
+
+
+def test_a_missing_process_is_named_by_process_0_and_the_others_hear_why():
+    started = time.monotonic()
+    outcomes, coordinator, _ = roll_call(3, [(2, 3)], timeout=1.0)
+    assert time.monotonic() - started < 8
+    problem = (f"only 2 of 3 processes arrived within 1 s (missing --process-id 1); start each with "
+               f"--coordinator {coordinator} --num-processes 3")
+    assert outcomes == {"leader": problem, 0: f"process 0 at {coordinator}: {problem}"}
+
+
+@pytest.mark.parametrize("callers, problem", [
+    ([(1, 3)], "process 1 was started with --num-processes 3, process 0 with 2"),
+    ([(1, 3), (1, 3)], "two processes were started with --process-id 1"),
+])
+def test_processes_that_disagree_are_refused_everywhere(callers, problem):
+    num_processes = 2 if len(callers) == 1 else 3
+    outcomes, coordinator, _ = roll_call(num_processes, callers)
+    assert outcomes["leader"] == problem
+    assert all(outcomes[i] == f"process 0 at {coordinator}: {problem}" for i in range(len(callers)))
+
+
+def test_a_stranger_on_the_port_is_ignored():
+    def connect(port):
+        deadline = time.monotonic() + 5
+        while True:  # process 0's thread may not be listening yet
+            try:
+                return socket.create_connection(("127.0.0.1", port), timeout=2)
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+
+    def knock(port):
+        with connect(port) as stranger:
+            stranger.sendall(b"GET / HTTP/1.0\n")
+        connect(port).close()  # a health check: connects, says nothing
+
+    outcomes, _, _ = roll_call(2, [(1, 2)], before_callers=knock)
+    assert outcomes == {"leader": None, 0: None}
+
+
+def test_a_port_already_taken_is_one_line_naming_it():
+    with socket.create_server(("", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(CoordinatorError, match=f"cannot listen on port {port} of 127.0.0.1:{port}"):
+            rendezvous.gather(f"127.0.0.1:{port}", port, 2, 1.0)
