@@ -220,6 +220,30 @@ def test_an_out_that_is_a_file_is_named_and_kept(finished_run, tmp_path, synthet
     assert blocker.read_text() == "the user's notes"
 
 
+@pytest.mark.parametrize("command", [["data"], ["bench"], ["speedrun"], ["export", "{run}"]])
+def test_an_out_that_is_a_run_directory_is_refused_untouched(finished_run, synthetic_cli, capsys, command):
+    before = sorted(p.name for p in finished_run.iterdir())
+    argv = [arg.replace("{run}", str(finished_run)) for arg in command]
+    assert cli.main([*argv, "--out", str(finished_run), "--json"]) == 1
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["message"] == f"fashionjax {command[0]}: {finished_run}: is a training's run directory; choose another --out"
+    assert sorted(p.name for p in finished_run.iterdir()) == before
+
+
+@pytest.mark.parametrize("command", [["eval", "{folder}"], ["report", "{folder}"], ["predict", "{folder}", "x.png"],
+                                     ["export", "{folder}", "--out", "{tmp}/x"], ["train", "--resume", "--run-dir", "{folder}"]])
+def test_a_folder_of_runs_given_as_a_run_names_the_runs_inside(finished_run, tmp_path, synthetic_cli, capsys, command):
+    folder = tmp_path / "record"
+    for seed in (0, 1):
+        shutil.copytree(finished_run, folder / f"seed-{seed}")
+    (folder / "speedrun.json").write_text("{}")
+    argv = [arg.replace("{folder}", str(folder)).replace("{tmp}", str(tmp_path)) for arg in command]
+    assert cli.main([*argv, "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"]["message"] == (
+        f"fashionjax {command[0]}: {folder}: not a run directory (no config.json); it holds the runs seed-0, seed-1: "
+        "name one of them")
+
+
 def test_a_write_that_fails_part_way_names_the_file_and_leaves_no_temp(finished_run, tmp_path):
     """A real short write (ulimit -f; Python ignores SIGXFSZ, so write() fails with EFBIG as on a full
     disk): the message names the file asked for, not a temp name or none, and nothing half-written stays."""

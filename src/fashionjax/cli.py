@@ -243,12 +243,12 @@ def _load_data(args, out):
 
 
 def cmd_data(args, out) -> int:
-    from fashionjax import artifacts, console, data
+    from fashionjax import console, data, rundir
     from fashionjax.report import plots
 
     dataset = _load_data(args, out)
     summary = data.summarize(dataset)
-    out_dir = artifacts.ensure_dir(args.out)
+    out_dir = rundir.ensure_out_dir(args.out)
     samples = plots.samples(dataset.train.images_u8, dataset.train.labels, dataset.class_names,
                             out_dir / "samples.png")
     summary["samples_png"] = str(samples)
@@ -314,21 +314,15 @@ def cmd_speedrun(args, out, stops: StopRequests) -> int:
     return EXIT_OK
 
 
-def _run_dir(text: str) -> Path:
-    """A RUN_DIR argument, refused (exit 2) unless it is a run directory."""
-    run_dir = Path(text)
-    if not (run_dir / "config.json").is_file():
-        raise ConfigError(f"{run_dir}: not a run directory (no config.json)")
-    return run_dir
 
 
 def cmd_predict(args, out) -> int:
-    from fashionjax import artifacts, console, evaluate, predict
+    from fashionjax import artifacts, console, evaluate, predict, rundir
     from fashionjax import run as run_lib
     from fashionjax.data import CLASS_NAMES
     from fashionjax.report import plots
 
-    run_dir = _run_dir(args.run_dir)
+    run_dir = rundir.require_run(args.run_dir)
     if not 1 <= args.top_k <= len(CLASS_NAMES):
         raise ConfigError(f"--top-k must be between 1 and {len(CLASS_NAMES)}, got {args.top_k}")
     paths = predict.image_paths(args.paths)
@@ -364,15 +358,15 @@ def cmd_predict(args, out) -> int:
 
 
 def cmd_export(args, out) -> int:
-    from fashionjax import artifacts, export
+    from fashionjax import export, rundir
     from fashionjax import run as run_lib
 
-    run_dir = _run_dir(args.run_dir)
+    run_dir = rundir.require_run(args.run_dir)
     wanted = export.formats(args.format)
     export.require(wanted)  # before the data and the model load
     dataset = _load_data(args, out)
     trained = run_lib.load_trained(run_dir, out.note)
-    out_dir = artifacts.ensure_dir(args.out)
+    out_dir = rundir.ensure_out_dir(args.out)
     document = export.export(trained, wanted, out_dir, dataset.test.images_u8, dataset.class_names, out.note)
     for fmt, item in document["artifacts"].items():
         check = (f"params equal: {item['params_equal']}" if fmt == "safetensors" else
@@ -387,7 +381,7 @@ def cmd_report(args, out) -> int:
     from fashionjax import artifacts, rundir
     from fashionjax.report import render
 
-    run_dir = _run_dir(args.run_dir)
+    run_dir = rundir.require_run(args.run_dir)
     if args.bench and not Path(args.bench).is_file():
         raise ConfigError(f"{args.bench}: no such bench.json")
     if args.out:
@@ -408,10 +402,10 @@ def cmd_report(args, out) -> int:
 
 
 def cmd_eval(args, out) -> int:
-    from fashionjax import console, distributed, environment
+    from fashionjax import console, distributed, environment, rundir
     from fashionjax import run as run_lib
 
-    run_dir = _run_dir(args.run_dir)
+    run_dir = rundir.require_run(args.run_dir)
     environment.enable_compile_cache()
     dataset = _load_data(args, out)
     scored = run_lib.rescore(run_dir, dataset, distributed.make_mesh("all"), out.note)
@@ -442,7 +436,7 @@ def _csv(text: str | None, cast, flag: str):
 
 
 def cmd_bench(args, out) -> int:
-    from fashionjax import artifacts, bench, console, distributed, environment
+    from fashionjax import artifacts, bench, console, distributed, environment, rundir
 
     base = bench.quick() if args.quick else bench.BenchConfig()
     overrides = {"model": args.model, "batch_sizes": _csv(args.batch_sizes, int, "--batch-sizes"),
@@ -455,7 +449,7 @@ def cmd_bench(args, out) -> int:
     bench.validate(config, 60000, int(mesh.devices.size))  # flag faults before anything is written
     environment.enable_compile_cache()
     dataset = _load_data(args, out)
-    out_dir = artifacts.ensure_dir(args.out or Path("runs") / f"bench-{artifacts.utc_stamp()}")
+    out_dir = rundir.ensure_out_dir(args.out or Path("runs") / f"bench-{artifacts.utc_stamp()}")
     document = bench.run(config, dataset.train.images_u8, dataset.train.labels, mesh, log=out.note)
     document = bench.write(document, out_dir)
     console.show_bench(out, document)

@@ -246,9 +246,7 @@ class Trained:
 
 def load_trained(run_dir: str | Path, note=lambda message: None) -> Trained:
     """The newest intact checkpoint's parameters, opened read-only (safe on a run still training)."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.json").is_file():
-        raise config_lib.ConfigError(f"{run_dir}: not a run directory (no config.json)")
+    run_dir = rundir.require_run(run_dir)
     document = artifacts.read_json(run_dir / "config.json")
     config = TrainConfig(**document["config"])
     template = train_lib.initial_state(config, 1, num_examples=document.get("plan", {}).get("num_examples"))

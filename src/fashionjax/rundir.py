@@ -102,6 +102,25 @@ def is_run(run_dir: Path) -> bool:
     return isinstance(document, dict) and document.get("fashionjax", {}).get("kind") == MARKER["kind"]
 
 
+def require_run(path: str | Path) -> Path:
+    """A RUN_DIR argument: a directory with config.json, or a one-line refusal that names the runs
+    inside a folder of them (a speedrun's --out, a runs/ folder)."""
+    run_dir = Path(path)
+    if (run_dir / "config.json").is_file():
+        return run_dir
+    inside = [p.name for p in run_dir.iterdir() if is_run(p)] if run_dir.is_dir() else []
+    hint = f"; it holds the runs {_listing(inside)}: name one of them" if inside else ""
+    raise ConfigError(f"{run_dir}: not a run directory (no config.json){hint}")
+
+
+def ensure_out_dir(path: str | Path) -> Path:
+    """The --out folder of data, bench, export or speedrun: never a training's run directory, where its
+    files would be ones --overwrite refuses to remove (and the training may still be writing)."""
+    if is_run(Path(path)):
+        raise artifacts.OutputDirError(f"{path}: is a training's run directory; choose another --out")
+    return artifacts.ensure_dir(path)
+
+
 def read_manifest(run_dir: Path) -> list[str]:
     try:
         names = json.loads((run_dir / MANIFEST).read_text())

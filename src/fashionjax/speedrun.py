@@ -144,7 +144,7 @@ def run(args, explicit: dict, out, stops, train_one) -> dict:
     seeds = range(first_seed, first_seed + args.seeds)
     out_dir = Path(args.out) if args.out else Path("runs") / f"speedrun-{artifacts.utc_stamp()}"
     partners = blend_partners(Path(args.blend), out_dir, seeds) if args.blend else None
-    artifacts.ensure_dir(out_dir)
+    rundir.ensure_out_dir(out_dir)
     rows = []
     for seed in seeds:
         seed_config = dict(explicit, seed=seed)

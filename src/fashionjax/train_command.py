@@ -68,6 +68,8 @@ def run(args, explicit: dict, out, stops: StopRequests) -> dict:
     if args.resume and not Path(args.run_dir).is_dir():
         raise ResumeError(f"{Path(args.run_dir) / 'checkpoints'}: no finalized checkpoint to resume from "
                           "(no such run directory)")
+    if args.resume and not rundir.has_checkpoint(Path(args.run_dir)):  # a folder of runs is named as such
+        rundir.require_run(args.run_dir)
 
     distributed.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.auto_distributed,
                            timeout=args.coordinator_timeout)
