@@ -176,6 +176,7 @@ def test_absurd_log_every_is_capped_to_the_run(tmp_path, synthetic_cli):
     (["train", "--seed", str(2**32)], "--seed must be between 0 and 4294967295"),
     (["train", "--seed", "-1"], "--seed must be between"),
     (["train", "--lr", "fast"], "--lr"),
+    (["train", "--momentum", "1"], "--momentum must be in [0, 1), got 1.0"),
     (["train", "--resume", "--overwrite"], "contradict each other"),
     (["bench", "--batch-sizes", ""], "--batch-sizes"),
     (["bench", "--batch-sizes", "64,,128"], "--batch-sizes"),

@@ -122,7 +122,8 @@ def validate(config: TrainConfig) -> TrainConfig:
              f"--seeds must be at least 1 and end at seed {MAX_SEED} or below, got {config.seeds}")
     _require(not config.nesterov or config.optimizer == "sgd",
              f"--nesterov applies to --optimizer sgd only, not {config.optimizer}")
-    _require(config.momentum >= 0 and math.isfinite(config.momentum), f"--momentum must be >= 0, got {config.momentum}")
+    # a momentum of 1 or more never forgets a gradient: the update grows without bound
+    _require(0 <= config.momentum < 1, f"--momentum must be in [0, 1), got {config.momentum}")
     _require(config.optimizer != "muon" or config.model in CONVOLUTIONAL,
              f"--optimizer muon orthogonalizes convolution filters; --model {config.model} has none "
              f"(choose from {', '.join(CONVOLUTIONAL)})")
