@@ -1,3 +1,3 @@
 """fashionjax: train and evaluate Fashion-MNIST classifiers with JAX and Optax, honestly measured."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
