@@ -43,9 +43,11 @@ def gather(coordinator: str, port: int, num_processes: int, timeout: float) -> N
                                            f"{timeout:g} s (missing --process-id {missing}); start each with "
                                            f"--coordinator {coordinator} --num-processes {num_processes}")
                 _admit(server, peers, num_processes, deadline)
-        except BaseException as err:
+        except BaseException as err:  # a Ctrl-C too: nobody waits for a word that will not come
             for peer in peers.values():
-                _tell(peer, f"stop {err}" if isinstance(err, CoordinatorError) else "stop process 0 stopped")
+                with peer:
+                    _tell(peer, f"stop {err}" if isinstance(err, CoordinatorError) else
+                          "stop process 0 was stopped before every process arrived")
             raise
         for peer in peers.values():
             _tell(peer, "go")
