@@ -245,6 +245,19 @@ def test_a_folder_of_runs_given_as_a_run_names_the_runs_inside(finished_run, tmp
         "name one of them")
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_json_document_that_cannot_be_written_is_a_failure_said_on_stderr(finished_run, tmp_path):
+    """Under exit 0 a script would read nothing; a closed reader (a broken pipe) stays a success."""
+    page = tmp_path / "report.html"
+    with open("/dev/full", "w") as full:  # every write fails with ENOSPC, as on a full disk
+        done = subprocess.run([sys.executable, "-m", "fashionjax", "report", str(finished_run), "--out", str(page),
+                               "--json"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert done.returncode == 1
+    assert lines(done.stderr)[-1] == (f"fashionjax report: the JSON document could not be written to stdout "
+                                      f"({os.strerror(28)}); the work itself is done")
+    assert page.is_file()
+
+
 def test_a_write_that_fails_part_way_names_the_file_and_leaves_no_temp(finished_run, tmp_path):
     """A real short write (ulimit -f; Python ignores SIGXFSZ, so write() fails with EFBIG as on a full
     disk): the message names the file asked for, not a temp name or none, and nothing half-written stays."""

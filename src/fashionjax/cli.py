@@ -514,7 +514,7 @@ def _run(argv: list[str], out, stops: StopRequests) -> int:
                              command)
         command = f"fashionjax {args.command}"
         handler = COMMANDS[args.command]
-        return handler(args, out, stops) if handler in NEEDS_SIGNALS else handler(args, out)
+        return _delivered(out, command, handler(args, out, stops) if handler in NEEDS_SIGNALS else handler(args, out))
     except SystemExit as done:  # --help and --version: argparse printed them
         return int(done.code or 0)
     except Exception as raised:
@@ -532,6 +532,16 @@ def _run(argv: list[str], out, stops: StopRequests) -> int:
         out.close()
         if debug:
             out.error(f"[{time.perf_counter() - started:.2f}s]")
+
+
+def _delivered(out, command: str, code: int) -> int:
+    """A --json success whose document could not be written (a full disk) fails: a script reading it would
+    otherwise find nothing under exit 0. The work itself is done and kept."""
+    if out.undelivered is None or code != EXIT_OK:
+        return code
+    out.error(f"{command}: the JSON document could not be written to stdout ({out.undelivered}); the work "
+              "itself is done")
+    return EXIT_FAILURE
 
 
 def run() -> None:

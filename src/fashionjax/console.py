@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from pathlib import Path
@@ -83,6 +82,7 @@ class Output:
         self.errors = Console(file=_SafeStream("stderr"), highlight=False)
         self.json_fd = self._divert_stdout() if json_mode else None
         self._documented = False
+        self.undelivered: str | None = None  # why the JSON document could not be written, if it could not
 
     @staticmethod
     def _divert_stdout() -> int | None:
@@ -128,8 +128,14 @@ class Output:
         if self.json_fd is None:
             _write(sys.stdout, text)
             return
-        with contextlib.suppress(OSError):
-            os.write(self.json_fd, text.encode())
+        try:
+            data = text.encode()
+            while data:
+                data = data[os.write(self.json_fd, data):]
+        except BrokenPipeError:
+            pass  # the reader has gone: nobody is left to answer
+        except OSError as err:  # a full disk: the caller turns a success into exit 1, naming this
+            self.undelivered = err.strerror or str(err)
 
 
 def table(title: str, headers, rows):
