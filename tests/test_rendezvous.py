@@ -27,7 +27,8 @@ def roll_call(num_processes: int, callers: list[tuple[int, int]], timeout: float
 
     def run(who, call):
         try:
-            call()
+            for connection in call().values():  # kept for the watch, which these tests do not start
+                connection.close()
             outcomes[who] = None
         except CoordinatorError as err:
             outcomes[who] = str(err)
@@ -97,3 +98,42 @@ def test_a_port_already_taken_is_one_line_naming_it():
         port = taken.getsockname()[1]
         with pytest.raises(CoordinatorError, match=f"cannot listen on port {port} of 127.0.0.1:{port}"):
             rendezvous.gather(f"127.0.0.1:{port}", port, 2, 1.0)
+
+
+def watched(connections: dict) -> tuple[rendezvous.Watch, list[int], threading.Event]:
+    lost: list[int] = []
+    told = threading.Event()
+
+    def on_lost(process_id):
+        lost.append(process_id)
+        told.set()
+
+    return rendezvous.Watch(connections, on_lost), lost, told
+
+
+def test_a_process_that_says_bye_is_let_go_and_one_that_vanishes_is_reported_and_passed_on():
+    # process 0's view: a connection to process 1 and one to process 2 (socket pairs stand in for TCP)
+    ours_1, theirs_1 = socket.socketpair()
+    ours_2, theirs_2 = socket.socketpair()
+    watch, lost, told = watched({1: ours_1, 2: ours_2})
+    theirs_1.sendall(b"bye\n")  # process 1 finished and left
+    theirs_1.close()
+    assert not told.wait(0.5) and lost == []
+    theirs_2.close()  # process 2 vanished: no bye
+    assert told.wait(5) and lost == [2]
+    watch.leave()
+
+
+def test_process_0_relays_a_loss_to_the_others_and_a_leaving_process_reports_nothing():
+    ours_1, theirs_1 = socket.socketpair()  # process 0's connection to process 1
+    ours_2, theirs_2 = socket.socketpair()  # and to process 2
+    _, lost, told = watched({1: ours_1, 2: ours_2})
+    peer_watch, peer_lost, peer_told = watched({0: theirs_2})  # process 2's watch on process 0
+    theirs_1.close()  # process 1 dies
+    assert told.wait(5) and lost == [1]
+    assert peer_told.wait(5) and peer_lost == [1]  # process 2 hears who, not that process 0 is gone
+    leaving_ours, leaving_theirs = socket.socketpair()
+    leaving, quiet, quiet_told = watched({0: leaving_ours})
+    leaving.leave()  # this process is done: what happens to the others is no longer its concern
+    leaving_theirs.close()
+    assert not quiet_told.wait(0.5) and quiet == []

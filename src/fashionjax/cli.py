@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from fashionjax import __version__
+from fashionjax import __version__, rendezvous
 from fashionjax.config import MODELS, ConfigError, TrainConfig
 from fashionjax.figures import percent, tta_name
 from fashionjax.signals import STOP_SIGNALS, Interrupted, StopRequests, interruption
@@ -500,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return exit_code(stop)
     finally:
+        rendezvous.leave()  # the other processes of a multi-process run: this one left by a Python path
         stops.restore()
 
 

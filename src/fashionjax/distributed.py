@@ -7,6 +7,8 @@ collectives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from fashionjax import rendezvous
@@ -26,8 +28,12 @@ def parse_address(coordinator: str) -> tuple[str, int]:
 
 
 def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None,
-               auto: bool = False, timeout: float = 60.0) -> None:
-    """Start jax.distributed when asked, or with auto=True from the cluster environment (SLURM, ...)."""
+               auto: bool = False, timeout: float = 60.0, on_lost: Callable[[int], None] | None = None) -> None:
+    """Start jax.distributed when asked, or with auto=True from the cluster environment (SLURM, ...).
+
+    With --coordinator, on_lost(process id) runs when another process dies without a word (see
+    rendezvous); rendezvous.leave() ends the watch.
+    """
     import jax
 
     if coordinator is None and num_processes is None and process_id is None and not auto:
@@ -38,18 +44,27 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
         raise ConfigError(f"--process-id {process_id} is outside 0..{num_processes - 1}")
     if not timeout > 0:
         raise ConfigError(f"--coordinator-timeout must be positive, got {timeout}")
+    connections = {}
     if coordinator is not None:  # every process checks in first: a missing one is a one-line error everywhere
         address = parse_address(coordinator)
-        if process_id:
-            rendezvous.check_in(coordinator, address, process_id, num_processes, timeout)
-        else:
-            rendezvous.gather(coordinator, address[1], num_processes, timeout)
-    # CPU processes need a collectives backend for cross-process all-reduce; GPUs use NCCL anyway.
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
-        initialization_timeout=max(1, int(timeout)), heartbeat_timeout_seconds=HEARTBEAT_SECONDS,
-    )
+        connections = rendezvous.check_in(coordinator, address, process_id, num_processes, timeout) if process_id \
+            else rendezvous.gather(coordinator, address[1], num_processes, timeout)
+    try:
+        # CPU processes need a collectives backend for cross-process all-reduce; GPUs use NCCL anyway.
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=coordinator, num_processes=num_processes, process_id=process_id,
+            initialization_timeout=max(1, int(timeout)), heartbeat_timeout_seconds=HEARTBEAT_SECONDS,
+        )
+    except BaseException:
+        for connection in connections.values():
+            connection.close()
+        raise
+    if connections and on_lost is not None:
+        rendezvous.watch(connections, on_lost)
+    else:
+        for connection in connections.values():
+            connection.close()
 
 
 def process_index() -> int:
@@ -116,6 +131,24 @@ def _fetch_one(x) -> np.ndarray:
     if x.sharding.is_fully_replicated:  # every process holds it all: read the local copy
         return np.asarray(jax.device_get(x.addressable_data(0)))
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def agreed_stop(signum: int | None) -> int | None:
+    """The stop every process acts on at the same chunk end: a signal pending in any of them.
+
+    A signal often reaches one process only (a scheduler's SIGTERM, a Ctrl-C in one terminal): were
+    it to save and leave alone, its checkpoint would wait for the others while they wait for its next
+    step. A deliberate sync across processes, once a chunk; a single process asks nobody.
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return signum
+    from jax.experimental import multihost_utils
+
+    with jax.transfer_guard("allow"):  # a few bytes per process, on purpose
+        pending = np.ravel(multihost_utils.process_allgather(np.int32(signum or 0)))
+    return next((int(s) for s in pending if s), None)
 
 
 def fetch(tree):

@@ -4,15 +4,21 @@ process 0 on the coordinator's own port, and JAX starts only once all of them ar
 Without it a missing process, or one started with another --num-processes, is found by JAX's own
 start-up barrier, which aborts every process from C++ after its timeout (a stack trace, exit 134, no
 JSON). With it, each process says what is wrong in one line and exits 1. Process 0 lets the port go
-before JAX binds it: the others hang up first, so no closed connection holds it (TIME_WAIT stays on
-their side).
+before JAX binds it; the connections it accepted may stay open (both sides allow address reuse).
+
+The roll call's connections then stay open as a watch: a process says "bye" on them when it leaves
+by any Python path, so one that closes without it means a process died hard (kill -9, a crash).
+Process 0 passes the news on, and every process stops at once with one line, where JAX's heartbeat
+would abort them from C++ some 20 s later.
 """
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import threading
 import time
+from collections.abc import Callable
 
 GREETING = "fashionjax-roll-call"
 POLL_SECONDS = 0.2  # how often a wait looks at its deadline (and lets a signal through)
@@ -23,8 +29,9 @@ class CoordinatorError(RuntimeError):
     """The processes of a multi-process run did not all arrive, or do not agree, in time."""
 
 
-def gather(coordinator: str, port: int, num_processes: int, timeout: float) -> None:
-    """Process 0: wait for processes 1..N-1 to check in, then release them all (or refuse them all)."""
+def gather(coordinator: str, port: int, num_processes: int, timeout: float) -> dict[int, socket.socket]:
+    """Process 0: wait for processes 1..N-1 to check in, then release them all (or refuse them all);
+    returns the connection of each, by process id."""
     deadline = time.monotonic() + timeout
     try:
         server = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True) \
@@ -51,11 +58,7 @@ def gather(coordinator: str, port: int, num_processes: int, timeout: float) -> N
             raise
         for peer in peers.values():
             _tell(peer, "go")
-        for peer in peers.values():  # they hang up first: the port is free for JAX at once
-            with peer:
-                peer.settimeout(5.0)
-                with contextlib.suppress(OSError):
-                    peer.recv(1)
+    return peers
 
 
 def _admit(server: socket.socket, peers: dict[int, socket.socket], num_processes: int, deadline: float) -> None:
@@ -81,19 +84,72 @@ def _admit(server: socket.socket, peers: dict[int, socket.socket], num_processes
     raise CoordinatorError(problem)  # gather tells the others
 
 
-def check_in(coordinator: str, address: tuple[str, int], process_id: int, num_processes: int, timeout: float) -> None:
-    """Process 1..N-1: report to process 0 and wait for its word that every process is there."""
+def check_in(coordinator: str, address: tuple[str, int], process_id: int, num_processes: int,
+             timeout: float) -> dict[int, socket.socket]:
+    """Process 1..N-1: report to process 0 and wait for its word that every process is there; returns
+    the connection to process 0."""
     deadline = time.monotonic() + timeout
     connection = _connect(coordinator, address, deadline, timeout)
-    with connection:
-        connection.sendall(f"{GREETING} {process_id} {num_processes}\n".encode())
-        answer = _read_line(connection, deadline + REPLY_GRACE_SECONDS)
+    connection.sendall(f"{GREETING} {process_id} {num_processes}\n".encode())
+    answer = _read_line(connection, deadline + REPLY_GRACE_SECONDS)
     if answer == "go":
-        return
+        return {0: connection}
+    connection.close()
     if answer.startswith("stop "):
         raise CoordinatorError(f"process 0 at {coordinator}: {answer[5:]}")
     raise CoordinatorError(f"process 0 at {coordinator} did not report all {num_processes} processes present within "
                            f"{timeout:g} s; start each with --coordinator {coordinator} --num-processes {num_processes}")
+
+
+class Watch:
+    """The roll call's connections, watched until this process leaves (see the module's docstring)."""
+
+    def __init__(self, connections: dict[int, socket.socket], on_lost: Callable[[int], None]):
+        self.connections = connections  # the other end's process id -> its connection
+        self.on_lost = on_lost
+        self.leaving = False
+        for process_id, connection in connections.items():
+            threading.Thread(target=self._watch, args=(process_id, connection), daemon=True,
+                             name=f"fashionjax-watch-{process_id}").start()
+
+    def _watch(self, process_id: int, connection: socket.socket) -> None:
+        said = b""
+        with contextlib.suppress(OSError):
+            connection.settimeout(None)
+            while b"\n" not in said and (chunk := connection.recv(64)):
+                said += chunk
+        words = said.decode("utf-8", "replace").split()
+        if words[:1] == ["bye"] or self.leaving:
+            return
+        lost = int(words[1]) if words[:1] == ["lost"] and words[1:2] and words[1].isdigit() else process_id
+        for other, peer in self.connections.items():  # process 0 tells the rest who is gone
+            if other not in (process_id, lost):
+                _tell(peer, f"lost {lost}")
+        self.on_lost(lost)
+
+    def leave(self) -> None:
+        self.leaving = True
+        for connection in self.connections.values():
+            with connection:
+                _tell(connection, "bye")
+
+
+_watch: Watch | None = None
+
+
+def watch(connections: dict[int, socket.socket], on_lost: Callable[[int], None]) -> None:
+    """Watch the roll call's connections: on_lost(process id) runs (in a thread) when that process dies
+    without saying bye. Call leave() when this process is done."""
+    global _watch
+    _watch = Watch(connections, on_lost)
+
+
+def leave() -> None:
+    """Say bye to the processes this one watches (nothing when it watches none)."""
+    global _watch
+    if _watch is not None:
+        _watch.leave()
+        _watch = None
 
 
 def _connect(coordinator: str, address: tuple[str, int], deadline: float, timeout: float) -> socket.socket:

@@ -527,8 +527,10 @@ def fit(
                 tic = time.perf_counter()
                 compiled[num_steps] = compile_chunk(train_step, num_steps, plan, mesh, args, augment)
                 stats.compile_seconds += time.perf_counter() - tic
-            if chunks_run == 0 and hooks.stop_signal() is not None:  # during start-up or compile: nothing to save
-                raise Interrupted(hooks.stop_signal(), step)
+            if chunks_run == 0:  # a stop during start-up or compile: nothing to save
+                signum = distributed.agreed_stop(hooks.stop_signal())
+                if signum is not None:
+                    raise Interrupted(signum, step)
             tic = time.perf_counter()
             state, chunk_metrics = compiled[num_steps](*args)
             jax.block_until_ready((state, chunk_metrics))  # fence: the clock stops when the work is done
@@ -555,7 +557,7 @@ def fit(
                         warm_up=chunks_run == 0)
         chunks_run += 1
         hooks.on_log(record)
-        signum = hooks.stop_signal()
+        signum = distributed.agreed_stop(hooks.stop_signal())
         crossed = step // plan.checkpoint_every > (step - num_steps) // plan.checkpoint_every
         if checkpointer is not None and (signum is not None or step == plan.total_steps or crossed):
             checkpointer.save(step, state, plan, dataclasses.asdict(stats))
