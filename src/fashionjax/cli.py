@@ -314,8 +314,6 @@ def cmd_speedrun(args, out, stops: StopRequests) -> int:
     return EXIT_OK
 
 
-
-
 def cmd_predict(args, out) -> int:
     from fashionjax import artifacts, console, evaluate, predict, rundir
     from fashionjax import run as run_lib
