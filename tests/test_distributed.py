@@ -133,6 +133,33 @@ def test_killed_worker_makes_the_other_exit_nonzero_in_bounded_time(real_dataset
             p.communicate()
 
 
+def test_a_process_that_fails_stops_the_others_at_once_with_its_reason(real_dataset, tmp_path):
+    """Process 0 refuses a run directory another training holds; process 1 would otherwise wait in
+    its first collective for JAX's timeout (30 s here) and end with Gloo's message."""
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-m", "fashionjax", "train", "--steps", "100000", "--run-dir",
+                               str(run_dir), "--offline", "--quiet"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run_dir / "config.json").is_file():
+            assert holder.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        started = time.monotonic()
+        processes = two_processes(run_dir)
+        outcomes = [p.communicate(timeout=120) for p in processes]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert time.monotonic() - started < 25
+    assert [p.returncode for p in processes] == [1, 1], [err[-2000:] for _, err in outcomes]
+    refusal = json.loads(outcomes[0][0])["error"]["message"]
+    assert refusal.startswith(f"fashionjax train: {run_dir}: in use by another training (pid {holder.pid})")
+    assert json.loads(outcomes[1][0])["error"]["message"] == (
+        f"fashionjax train: process 0 of this run failed ({refusal.removeprefix('fashionjax train: ')}); "
+        "this one stops too")
+
+
 def test_a_signal_to_one_process_stops_all_at_one_checkpoint_that_resumes(real_dataset, tmp_path):
     """A scheduler's SIGTERM or a Ctrl-C in one terminal reaches one process: alone, it would wait in its
     checkpoint for the others while they wait for its next step, both for ever."""

@@ -100,40 +100,57 @@ def test_a_port_already_taken_is_one_line_naming_it():
             rendezvous.gather(f"127.0.0.1:{port}", port, 2, 1.0)
 
 
-def watched(connections: dict) -> tuple[rendezvous.Watch, list[int], threading.Event]:
-    lost: list[int] = []
+def watched(own_id: int, connections: dict) -> tuple[rendezvous.Watch, list, threading.Event]:
+    heard: list[tuple[int, str | None]] = []
     told = threading.Event()
 
-    def on_lost(process_id):
-        lost.append(process_id)
+    def on_lost(process_id, failure):
+        heard.append((process_id, failure))
+        for connection in connections.values():  # as the process's exit would
+            connection.close()
         told.set()
 
-    return rendezvous.Watch(connections, on_lost), lost, told
+    return rendezvous.Watch(own_id, connections, on_lost), heard, told
 
 
-def test_a_process_that_says_bye_is_let_go_and_one_that_vanishes_is_reported_and_passed_on():
+def test_a_process_that_says_bye_is_let_go_and_one_that_vanishes_is_reported():
     # process 0's view: a connection to process 1 and one to process 2 (socket pairs stand in for TCP)
     ours_1, theirs_1 = socket.socketpair()
     ours_2, theirs_2 = socket.socketpair()
-    watch, lost, told = watched({1: ours_1, 2: ours_2})
+    watch, heard, told = watched(0, {1: ours_1, 2: ours_2})
     theirs_1.sendall(b"bye\n")  # process 1 finished and left
     theirs_1.close()
-    assert not told.wait(0.5) and lost == []
+    assert not told.wait(0.5) and heard == []
     theirs_2.close()  # process 2 vanished: no bye
-    assert told.wait(5) and lost == [2]
-    watch.leave()
+    assert told.wait(5) and heard == [(2, None)]
 
 
-def test_process_0_relays_a_loss_to_the_others_and_a_leaving_process_reports_nothing():
+def test_process_0_passes_news_on_and_waits_for_the_others_to_act_before_it_acts():
     ours_1, theirs_1 = socket.socketpair()  # process 0's connection to process 1
     ours_2, theirs_2 = socket.socketpair()  # and to process 2
-    _, lost, told = watched({1: ours_1, 2: ours_2})
-    peer_watch, peer_lost, peer_told = watched({0: theirs_2})  # process 2's watch on process 0
+    _, heard, told = watched(0, {1: ours_1, 2: ours_2})
+    _, peer_heard, peer_told = watched(2, {0: theirs_2})  # process 2's watch on process 0
     theirs_1.close()  # process 1 dies
-    assert told.wait(5) and lost == [1]
-    assert peer_told.wait(5) and peer_lost == [1]  # process 2 hears who, not that process 0 is gone
-    leaving_ours, leaving_theirs = socket.socketpair()
-    leaving, quiet, quiet_told = watched({0: leaving_ours})
+    assert peer_told.wait(5) and peer_heard == [(1, None)]  # process 2 hears who, not that process 0 is gone
+    assert told.wait(5) and heard == [(1, None)]
+
+
+def test_a_failing_process_tells_everyone_why_and_waits_for_them_to_stop():
+    ours_1, theirs_1 = socket.socketpair()
+    ours_2, theirs_2 = socket.socketpair()
+    _, heard, told = watched(0, {1: ours_1, 2: ours_2})
+    _, peer_heard, peer_told = watched(2, {0: theirs_2})
+    failing, _, _ = watched(1, {0: theirs_1})
+    started = time.monotonic()
+    failing.leave("runs/x: in use by another training (pid 7)")
+    assert time.monotonic() - started < rendezvous.LET_GO_SECONDS  # process 0 stopped: no need to wait longer
+    assert told.wait(5) and heard == [(1, "runs/x: in use by another training (pid 7)")]
+    assert peer_told.wait(5) and peer_heard == heard
+
+
+def test_a_leaving_process_reports_nothing_more():
+    ours, theirs = socket.socketpair()
+    leaving, heard, told = watched(2, {0: ours})
     leaving.leave()  # this process is done: what happens to the others is no longer its concern
-    leaving_theirs.close()
-    assert not quiet_told.wait(0.5) and quiet == []
+    theirs.close()
+    assert not told.wait(0.5) and heard == []

@@ -524,6 +524,8 @@ def _run(argv: list[str], out, stops: StopRequests) -> int:
         more = " (--debug shows the rest)" if len(lines) > 1 else ""
         message = f"{err.command if isinstance(err, UsageError) else command}: {lines[0]}{more}"
         code = exit_code(err)
+        if not isinstance(err, Interrupted):  # a stop is agreed by all processes; a failure is news to them
+            rendezvous.leave(failure=lines[0])
         out.error(message)
         out.document({"error": {"message": message, "exit_code": code, "kind": error_kind(err)}, **out.facts})
         return code
@@ -548,9 +550,11 @@ def run() -> None:
     Python's finalization: a signal during start-up can stop an import (JAX's) halfway with native
     threads running, and finalizing around them can abort the process (seen once in 40 SIGTERMs:
     "PyThreadState_Get: ... the GIL is released", exit -6). By then every file is written and closed
-    (checkpoints are synchronous), so only the output streams need flushing."""
+    (checkpoints are synchronous), so only the output streams need flushing. A process that failed
+    in a multi-process run leaves the same way: JAX's shutdown would wait for the processes it has
+    just told to stop, and abort from C++ when they leave."""
     code = main()
-    if code in {128 + signum for signum in STOP_SIGNALS}:
+    if code in {128 + signum for signum in STOP_SIGNALS} or rendezvous.failed_in_a_run:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # a closed or broken stream has nothing left to lose
                 stream.flush()

@@ -28,11 +28,12 @@ def parse_address(coordinator: str) -> tuple[str, int]:
 
 
 def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None,
-               auto: bool = False, timeout: float = 60.0, on_lost: Callable[[int], None] | None = None) -> None:
+               auto: bool = False, timeout: float = 60.0,
+               on_lost: Callable[[int, str | None], None] | None = None) -> None:
     """Start jax.distributed when asked, or with auto=True from the cluster environment (SLURM, ...).
 
-    With --coordinator, on_lost(process id) runs when another process dies without a word (see
-    rendezvous); rendezvous.leave() ends the watch.
+    With --coordinator, on_lost(process id, its error or None) runs when another process fails or dies
+    (see rendezvous); rendezvous.leave() ends the watch.
     """
     import jax
 
@@ -61,7 +62,7 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
             connection.close()
         raise
     if connections and on_lost is not None:
-        rendezvous.watch(connections, on_lost)
+        rendezvous.watch(process_id, connections, on_lost)
     else:
         for connection in connections.values():
             connection.close()

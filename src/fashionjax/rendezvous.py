@@ -6,10 +6,12 @@ start-up barrier, which aborts every process from C++ after its timeout (a stack
 JSON). With it, each process says what is wrong in one line and exits 1. Process 0 lets the port go
 before JAX binds it; the connections it accepted may stay open (both sides allow address reuse).
 
-The roll call's connections then stay open as a watch: a process says "bye" on them when it leaves
-by any Python path, so one that closes without it means a process died hard (kill -9, a crash).
-Process 0 passes the news on, and every process stops at once with one line, where JAX's heartbeat
-would abort them from C++ some 20 s later.
+The roll call's connections then stay open as a watch. A process that fails says so on them
+("failed", with its one-line error) and one that leaves otherwise says "bye"; a connection that
+closes with neither means a process died hard (kill -9, a crash). Process 0 passes the news on,
+and the others stop at once, each with one line naming the process and why, where they would wait
+in a collective for JAX's own timeout or heartbeat (20-30 s) and end with its message or an abort
+from C++.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Callable
 GREETING = "fashionjax-roll-call"
 POLL_SECONDS = 0.2  # how often a wait looks at its deadline (and lets a signal through)
 REPLY_GRACE_SECONDS = 5.0  # process 0 gives up at its own deadline: waiting a little longer hears its reason
+LET_GO_SECONDS = 2.0  # how long a failing process waits for the others to act on its news
 
 
 class CoordinatorError(RuntimeError):
@@ -104,52 +107,81 @@ def check_in(coordinator: str, address: tuple[str, int], process_id: int, num_pr
 class Watch:
     """The roll call's connections, watched until this process leaves (see the module's docstring)."""
 
-    def __init__(self, connections: dict[int, socket.socket], on_lost: Callable[[int], None]):
+    def __init__(self, own_id: int, connections: dict[int, socket.socket],
+                 on_lost: Callable[[int, str | None], None]):
+        self.own_id = own_id
         self.connections = connections  # the other end's process id -> its connection
-        self.on_lost = on_lost
+        self.on_lost = on_lost  # (process id, its error or None when it died without a word)
         self.leaving = False
-        for process_id, connection in connections.items():
-            threading.Thread(target=self._watch, args=(process_id, connection), daemon=True,
-                             name=f"fashionjax-watch-{process_id}").start()
+        self._decided = threading.Lock()  # the first news, or this process's own leaving, wins
+        self.threads = {process_id: threading.Thread(target=self._watch, args=(process_id, connection), daemon=True,
+                                                     name=f"fashionjax-watch-{process_id}")
+                        for process_id, connection in connections.items()}
+        for thread in self.threads.values():
+            thread.start()
 
     def _watch(self, process_id: int, connection: socket.socket) -> None:
         said = b""
         with contextlib.suppress(OSError):
             connection.settimeout(None)
-            while b"\n" not in said and (chunk := connection.recv(64)):
+            while b"\n" not in said and (chunk := connection.recv(4096)):
                 said += chunk
-        words = said.decode("utf-8", "replace").split()
-        if words[:1] == ["bye"] or self.leaving:
-            return
-        lost = int(words[1]) if words[:1] == ["lost"] and words[1:2] and words[1].isdigit() else process_id
-        for other, peer in self.connections.items():  # process 0 tells the rest who is gone
-            if other not in (process_id, lost):
-                _tell(peer, f"lost {lost}")
-        self.on_lost(lost)
+        line = said.decode("utf-8", "replace").split("\n")[0]
+        with self._decided:
+            if line == "bye" or self.leaving:
+                return
+            self.leaving = True
+        kind, _, rest = line.partition(" ")
+        who, _, reason = rest.partition(" ")
+        if kind in ("lost", "failed") and who.isdigit():
+            process_id = int(who)  # process 0 passing on news of another
+        else:
+            kind, reason = "lost", ""
+        if self.own_id == 0:  # process 0 tells the rest, and lets them go before it does
+            for other, peer in self.connections.items():
+                if other != process_id:
+                    _tell(peer, f"{kind} {process_id} {reason}".rstrip())
+            self._await_hang_ups(but=process_id)
+        self.on_lost(process_id, reason if kind == "failed" else None)
 
-    def leave(self) -> None:
-        self.leaving = True
+    def _await_hang_ups(self, but: int | None = None) -> None:
+        """Until the others have acted on the news (their connections close), or LET_GO_SECONDS: when
+        process 0 leaves, JAX aborts the processes still attached to it from C++."""
+        deadline = time.monotonic() + LET_GO_SECONDS
+        for process_id, thread in self.threads.items():
+            if process_id != but and thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+    def leave(self, failure: str | None = None) -> None:
+        with self._decided:
+            self.leaving = True
         for connection in self.connections.values():
-            with connection:
-                _tell(connection, "bye")
+            _tell(connection, "bye" if failure is None else f"failed {self.own_id} {failure}")
+        if failure is not None:
+            self._await_hang_ups()
+        for connection in self.connections.values():
+            connection.close()
 
 
 _watch: Watch | None = None
+failed_in_a_run = False  # this process told the others of its run that it failed (see cli.run)
 
 
-def watch(connections: dict[int, socket.socket], on_lost: Callable[[int], None]) -> None:
-    """Watch the roll call's connections: on_lost(process id) runs (in a thread) when that process dies
-    without saying bye. Call leave() when this process is done."""
+def watch(own_id: int, connections: dict[int, socket.socket], on_lost: Callable[[int, str | None], None]) -> None:
+    """Watch the roll call's connections: on_lost(process id, its error or None) runs (in a thread) when
+    another process fails or dies. Call leave() when this process is done."""
     global _watch
-    _watch = Watch(connections, on_lost)
+    _watch = Watch(own_id, connections, on_lost)
 
 
-def leave() -> None:
-    """Say bye to the processes this one watches (nothing when it watches none)."""
-    global _watch
+def leave(failure: str | None = None) -> None:
+    """Tell the processes this one watches that it is done: "bye", or its one-line error when it failed
+    (nothing when it watches none)."""
+    global _watch, failed_in_a_run
     if _watch is not None:
-        _watch.leave()
+        _watch.leave(" ".join(failure.split()) if failure else None)
         _watch = None
+        failed_in_a_run = failure is not None
 
 
 def _connect(coordinator: str, address: tuple[str, int], deadline: float, timeout: float) -> socket.socket:

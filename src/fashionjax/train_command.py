@@ -140,11 +140,14 @@ def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, target) 
 
 
 def _stop_for_a_lost_process(out):
-    """What a process does when another of its run dies without a word (rendezvous' watch, in a thread):
-    say so in one line and leave at once, as JAX would 20 s later with an abort from C++."""
-    def stop(process_id: int) -> None:
-        message = (f"fashionjax train: process {process_id} of this run ended without a word (killed or crashed); "
-                   "this one stops too, its finalized checkpoints kept (start every process again with --resume)")
+    """What a process does when another of its run fails or dies (rendezvous' watch, in a thread): say
+    so in one line and leave at once, where it would wait in a collective for JAX's timeout or abort."""
+    def stop(process_id: int, failure: str | None) -> None:
+        if failure is None:
+            message = (f"fashionjax train: process {process_id} of this run ended without a word (killed or crashed); "
+                       "this one stops too, its finalized checkpoints kept (start every process again with --resume)")
+        else:
+            message = f"fashionjax train: process {process_id} of this run failed ({failure}); this one stops too"
         out.error(message)
         out.document({"error": {"message": message, "exit_code": 1, "kind": "runtime"}, **out.facts})
         os._exit(1)  # the main thread may be waiting in a collective that will never complete
