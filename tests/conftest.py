@@ -6,7 +6,9 @@ import gzip
 import hashlib
 import os
 import struct
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -123,3 +125,21 @@ def synthetic_run(tmp_path_factory, name: str, *train_args: str, num_test: int =
         patch.setattr(data, "load", lambda *a, **k: dataset)
         assert cli.main(["train", "--batch-size", "64", "--quiet", "--run-dir", str(directory), *train_args]) == 0
     return directory
+
+
+def wait_for(predicate, process: subprocess.Popen, timeout: float = 120, poll: float = 0.002) -> None:
+    """Poll predicate() while `process` runs; fail naming its stderr if it ends first, or on timeout."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if process.poll() is not None:
+            raise AssertionError(f"process ended first: {(process.communicate()[1] or '')[-2000:]}")
+        if time.monotonic() > deadline:
+            process.kill()
+            raise AssertionError("timed out waiting")
+        time.sleep(poll)
+
+
+def file_size_limited(command: list[str], kilobytes: int) -> list[str]:
+    """`command` under ulimit -f, set in a shell that then becomes it (no fork of the threaded test
+    process). Python ignores SIGXFSZ, so a write past the limit fails with EFBIG, as on a full disk."""
+    return ["bash", "-c", f'ulimit -f {kilobytes} && exec "$@"', "bash", *command]

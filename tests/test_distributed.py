@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import small_speedrun_cli
+from conftest import small_speedrun_cli, wait_for
 
 from fashionjax import artifacts, checkpoint, config, train
 
@@ -40,6 +40,11 @@ def completed(process: subprocess.Popen, timeout: float = 300) -> dict:
     out, err = process.communicate(timeout=timeout)
     assert process.returncode == 0, err[-3000:]
     return json.loads(out)
+
+
+def logged(run_dir: Path):
+    """Whether the run has written its first log point."""
+    return lambda: bool(artifacts.read_jsonl(run_dir / "metrics.jsonl"))
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -113,10 +118,7 @@ def test_killed_worker_makes_the_other_exit_nonzero_in_bounded_time(real_dataset
     processes = two_processes(run_dir, "--steps", "100000", "--log-every", "5")
     leader, worker = processes
     try:
-        deadline = time.monotonic() + 180
-        while not (run_dir / "metrics.jsonl").is_file() or not artifacts.read_jsonl(run_dir / "metrics.jsonl"):
-            assert leader.poll() is None and time.monotonic() < deadline, leader.stderr.read()[-3000:]
-            time.sleep(0.1)
+        wait_for(logged(run_dir), leader, timeout=180, poll=0.1)
         worker.send_signal(signal.SIGKILL)
         try:
             out, err = leader.communicate(timeout=60)  # JAX's heartbeat alone: an abort from C++ after 20 s
@@ -141,10 +143,7 @@ def test_a_process_that_fails_stops_the_others_at_once_with_its_reason(real_data
                                str(run_dir), "--offline", "--quiet"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while not (run_dir / "config.json").is_file():
-            assert holder.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
+        wait_for((run_dir / "config.json").is_file, holder, poll=0.1)
         started = time.monotonic()
         processes = two_processes(run_dir)
         outcomes = [p.communicate(timeout=120) for p in processes]
@@ -168,10 +167,7 @@ def test_a_signal_to_one_process_stops_all_at_one_checkpoint_that_resumes(real_d
     processes = [train_process(run_dir, 2, "--steps", "100000", "--log-every", "5", "--coordinator", coordinator,
                                "--num-processes", "2", "--process-id", str(i)) for i in range(2)]
     try:
-        deadline = time.monotonic() + 180
-        while not (run_dir / "metrics.jsonl").is_file() or not artifacts.read_jsonl(run_dir / "metrics.jsonl"):
-            assert processes[0].poll() is None and time.monotonic() < deadline, processes[0].stderr.read()[-3000:]
-            time.sleep(0.1)
+        wait_for(logged(run_dir), processes[0], timeout=180, poll=0.1)
         processes[1].send_signal(signal.SIGINT)
         outcomes = [p.communicate(timeout=60) for p in processes]
     finally:

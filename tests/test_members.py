@@ -125,7 +125,8 @@ def test_a_diverged_member_is_left_out_and_the_others_keep_their_figures():
 
 @pytest.mark.slow
 def test_a_multi_model_run_killed_and_resumed_is_bit_identical(real_dataset, tmp_path):
-    from test_resilience import finalized, wait_for
+    from conftest import wait_for
+    from test_resilience import finalized
 
     flags = ["--seeds", "2", "--steps", "240", "--batch-size", "1024", "--log-every", "10", "--offline"]
 

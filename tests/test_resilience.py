@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import file_size_limited, wait_for
 
 from fashionjax import artifacts, checkpoint, cli, data, rundir
 
@@ -22,10 +23,10 @@ pytestmark = pytest.mark.slow
 RUN = ["--steps", "160", "--batch-size", "1024", "--log-every", "10", "--offline"]
 
 
-def start(run_dir: Path, *extra: str, env=None, shell_setup: str = "") -> subprocess.Popen:
+def start(run_dir: Path, *extra: str, env=None, file_size_kb: int | None = None) -> subprocess.Popen:
     command = [sys.executable, "-m", "fashionjax", "train", *RUN, "--run-dir", str(run_dir), *extra]
-    if shell_setup:  # a limit set in a shell that then becomes the training (no fork of this threaded process)
-        command = ["bash", "-c", f'{shell_setup} && exec "$@"', "bash", *command]
+    if file_size_kb is not None:
+        command = file_size_limited(command, file_size_kb)
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
 
@@ -33,17 +34,6 @@ def start(run_dir: Path, *extra: str, env=None, shell_setup: str = "") -> subpro
 def finish(process: subprocess.Popen, timeout: float = 240) -> tuple[int, str, str]:
     out, err = process.communicate(timeout=timeout)
     return process.returncode, out, err
-
-
-def wait_for(predicate, process: subprocess.Popen, timeout: float = 120, poll: float = 0.002) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if process.poll() is not None:
-            raise AssertionError(f"process ended first: {process.communicate()[1][-2000:]}")
-        if time.monotonic() > deadline:
-            process.kill()
-            raise AssertionError("timed out waiting")
-        time.sleep(poll)
 
 
 def steps_of(run_dir: Path) -> list[int]:
@@ -171,9 +161,9 @@ def test_failed_checkpoint_write_is_an_error_and_keeps_the_previous(tmp_path, sy
 
 
 def test_a_real_write_fault_in_a_checkpoint_is_one_line_naming_the_cause(tmp_path):
-    """A file-size limit (ulimit -f; Python ignores SIGXFSZ, so writes past it fail with EFBIG) lets the
-    small run files through and stops the checkpoint's data file, as a full disk would, without root."""
-    code, out, err = finish(start(tmp_path / "run", "--json", shell_setup="ulimit -f 300"))
+    """A file-size limit lets the small run files through and stops the checkpoint's data file, as a
+    full disk would, without root."""
+    code, out, err = finish(start(tmp_path / "run", "--json", file_size_kb=300))
     assert code == 1
     error = json.loads(out)["error"]
     assert error["kind"] == "checkpoint" and error["exit_code"] == 1

@@ -526,8 +526,7 @@ def _run(argv: list[str], out, stops: StopRequests) -> int:
         code = exit_code(err)
         if not isinstance(err, Interrupted):  # a stop is agreed by all processes; a failure is news to them
             rendezvous.leave(failure=lines[0])
-        out.error(message)
-        out.document({"error": {"message": message, "exit_code": code, "kind": error_kind(err)}, **out.facts})
+        out.fail(message, code, error_kind(err))
         return code
     finally:
         out.close()

@@ -119,6 +119,11 @@ class Output:
         if not self.quiet or not self.json:
             self.console.print(renderable)
 
+    def fail(self, message: str, exit_code: int, kind: str) -> None:
+        """A failure's answer: its one line on stderr and, under --json, its error document."""
+        self.error(message)
+        self.document({"error": {"message": message, "exit_code": exit_code, "kind": kind}, **self.facts})
+
     def document(self, document) -> None:
         """The one JSON document of the command (a second call is ignored: there is only one)."""
         if not self.json or self._documented:

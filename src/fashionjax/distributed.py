@@ -28,8 +28,7 @@ def parse_address(coordinator: str) -> tuple[str, int]:
 
 
 def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None,
-               auto: bool = False, timeout: float = 60.0,
-               on_lost: Callable[[int, str | None], None] | None = None) -> None:
+               on_lost: Callable[[int, str | None], None], auto: bool = False, timeout: float = 60.0) -> None:
     """Start jax.distributed when asked, or with auto=True from the cluster environment (SLURM, ...).
 
     With --coordinator, on_lost(process id, its error or None) runs when another process fails or dies
@@ -61,11 +60,8 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
         for connection in connections.values():
             connection.close()
         raise
-    if connections and on_lost is not None:
+    if connections:
         rendezvous.watch(process_id, connections, on_lost)
-    else:
-        for connection in connections.values():
-            connection.close()
 
 
 def process_index() -> int:

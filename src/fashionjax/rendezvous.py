@@ -17,6 +17,7 @@ from C++.
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import threading
 import time
@@ -121,12 +122,7 @@ class Watch:
             thread.start()
 
     def _watch(self, process_id: int, connection: socket.socket) -> None:
-        said = b""
-        with contextlib.suppress(OSError):
-            connection.settimeout(None)
-            while b"\n" not in said and (chunk := connection.recv(4096)):
-                said += chunk
-        line = said.decode("utf-8", "replace").split("\n")[0]
+        line = _read_line(connection, math.inf)
         with self._decided:
             if line == "bye" or self.leaving:
                 return
@@ -196,15 +192,15 @@ def _connect(coordinator: str, address: tuple[str, int], deadline: float, timeou
 
 
 def _read_line(connection: socket.socket, deadline: float) -> str:
-    """One short line, or '' when the other side hangs up or the deadline passes first."""
+    """One line (up to 4 kB), or '' when the other side hangs up or the deadline passes first."""
     received = b""
-    while not received.endswith(b"\n") and len(received) < 1024:
+    while b"\n" not in received and len(received) < 4096:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return ""
-        connection.settimeout(min(POLL_SECONDS, remaining))
         try:
-            chunk = connection.recv(1024)
+            connection.settimeout(min(POLL_SECONDS, remaining))
+            chunk = connection.recv(4096)
         except TimeoutError:
             continue
         except OSError:
@@ -212,7 +208,7 @@ def _read_line(connection: socket.socket, deadline: float) -> str:
         if not chunk:
             return ""
         received += chunk
-    return received.decode("utf-8", "replace").strip()
+    return received.decode("utf-8", "replace").split("\n")[0].strip()
 
 
 def _tell(connection: socket.socket, line: str) -> None:

@@ -72,8 +72,8 @@ def run(args, explicit: dict, out, stops: StopRequests) -> dict:
     if args.resume and not rundir.has_checkpoint(Path(args.run_dir)):  # a folder of runs is named as such
         rundir.require_run(args.run_dir)
 
-    distributed.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.auto_distributed,
-                           timeout=args.coordinator_timeout, on_lost=_stop_for_a_lost_process(out))
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id, _stop_for_a_lost_process(out),
+                           auto=args.auto_distributed, timeout=args.coordinator_timeout)
     writer = distributed.process_index() == 0
     owned = None
     if writer:  # one training per directory: refused at once, before any data is loaded
@@ -148,8 +148,7 @@ def _stop_for_a_lost_process(out):
                        "this one stops too, its finalized checkpoints kept (start every process again with --resume)")
         else:
             message = f"fashionjax train: process {process_id} of this run failed ({failure}); this one stops too"
-        out.error(message)
-        out.document({"error": {"message": message, "exit_code": 1, "kind": "runtime"}, **out.facts})
+        out.fail(message, 1, "runtime")
         os._exit(1)  # the main thread may be waiting in a collective that will never complete
     return stop
 
