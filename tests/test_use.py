@@ -82,6 +82,21 @@ def test_transparent_background_counts_as_light(tmp_path):
     assert (cols.min(), cols.max()) == (0, 27) and image[0].max() == 0
 
 
+def test_deep_images_read_as_their_8_bit_form(real_dataset, tmp_path):
+    """16-bit, 32-bit integer and float gray pictures are scaled from their range, not clipped at 255."""
+    image = real_dataset.test.images_u8[3]
+    photo = np.kron(image, np.ones((3, 2), np.uint8))  # 84x56: not in the dataset's form, so it is trimmed and scaled
+    Image.fromarray(photo).save(tmp_path / "8-bit.png")
+    Image.fromarray(photo.astype(np.uint16) * 257).save(tmp_path / "16-bit.png")
+    Image.fromarray(photo.astype(np.int32) * 257).save(tmp_path / "32-bit.tiff")
+    Image.fromarray(photo.astype(np.float32) / 255).save(tmp_path / "float.tiff")
+    modes = {name: Image.open(tmp_path / name).mode for name in ("16-bit.png", "32-bit.tiff", "float.tiff")}
+    assert modes["16-bit.png"] in ("I;16", "I") and modes["32-bit.tiff"] == "I" and modes["float.tiff"] == "F"
+    assert np.array_equal(predict.load(tmp_path / "8-bit.png"), predict.to_fashion_mnist(photo))
+    for name in modes:
+        assert np.array_equal(predict.load(tmp_path / name), predict.load(tmp_path / "8-bit.png")), name
+
+
 # ---------------------------------------------------------------- predict through the CLI
 
 

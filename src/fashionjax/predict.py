@@ -53,10 +53,27 @@ def load(path: str | Path) -> np.ndarray:
             if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
                 canvas = Image.new("RGBA", image.size, "white")  # transparent means background
                 image = Image.alpha_composite(canvas, image.convert("RGBA"))
-            gray = np.asarray(image.convert("L"), dtype=np.uint8)
+            gray = _gray_u8(image)
     except (OSError, ValueError, Image.DecompressionBombError) as err:
         raise ImageError(f"{path}: not a readable image ({err})") from err
     return to_fashion_mnist(gray)
+
+
+def _gray_u8(image: Image.Image) -> np.ndarray:
+    """The picture's gray levels, 0-255. Pillow's own conversion clips a deep image (16-bit, 32-bit
+    integer or float gray) at 255, which leaves it white; such an image is scaled from its full range:
+    65,535 for 16 bits, 1.0 for a float image whose values stay within it (else 255, or its maximum)."""
+    if not (image.mode in ("I", "F") or image.mode.startswith("I;16")):
+        return np.asarray(image.convert("L"), dtype=np.uint8)
+    values = np.nan_to_num(np.asarray(image, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+    highest = float(values.max(initial=0.0))
+    if image.mode == "F" and highest <= 1.0:
+        full = 1.0
+    elif image.mode.startswith("I;16") or 255 < highest <= 65535:
+        full = 65535.0
+    else:
+        full = max(255.0, highest)
+    return np.round(np.clip(values / full, 0.0, 1.0) * 255.0).astype(np.uint8)
 
 
 def to_fashion_mnist(gray: np.ndarray) -> np.ndarray:
