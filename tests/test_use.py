@@ -225,11 +225,13 @@ def test_export_all_formats_round_trip_on_the_full_test_set(mlp_run, in_memory, 
 
 
 @pytest.mark.slow
-def test_onnx_export_round_trips_for_the_speedrun_model(synthetic_cli, tmp_path, capsys):
+@pytest.mark.parametrize("seeds", [1, 2])
+def test_onnx_export_round_trips_for_the_speedrun_model(synthetic_cli, tmp_path, capsys, seeds):
     # its convolutions, pooling, batch norm and TTA with shifted views (a scan over them); the cnn's layers
     # are a subset of these. The graph is the same whatever the data, so the small synthetic set keeps
-    # export's own check short.
-    train_run(tmp_path / "run", "--model", "speedrun", "--steps", "30", "--log-every", "30", "--tta-shift", "1")
+    # export's own check short. Two seeds are one ensemble: both members inside one graph.
+    train_run(tmp_path / "run", "--model", "speedrun", "--steps", "30", "--log-every", "30", "--tta-shift", "1",
+              "--seeds", str(seeds))
     capsys.readouterr()  # the training's own summary table
     code, document = call(capsys, "export", str(tmp_path / "run"), "--format", "onnx", "--out", str(tmp_path / "x"))
     check = document["artifacts"]["onnx"]

@@ -76,7 +76,9 @@ def _members(model_name: str, params, dtype: str, tta: bool, members: int, tta_s
 
     if members == 1:
         return (lambda images: one(params, images)), (lambda logits: logits)
-    return ((lambda images: jax.vmap(one, (0, None))(params, images)),
+    # Members one after another (lax.map), not vmapped: jax2onnx cannot lower the vmapped network's
+    # padding with a symbolic batch, so `export --format onnx` of a --seeds run failed.
+    return ((lambda images: jax.lax.map(lambda member_params: one(member_params, images), params)),
             (lambda logits: jnp.log(jnp.nanmean(jax.nn.softmax(logits), axis=0))))
 
 
