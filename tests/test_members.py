@@ -197,6 +197,7 @@ def test_a_diverging_member_is_reported_and_the_others_results_stand(synthetic_c
 
 
 @pytest.mark.parametrize("sweep, fragment", [("clip=1,2", "only lr, weight-decay, momentum can be swept"),
+                                            ("model=mlp,cnn", "--sweep model: only lr, weight-decay, momentum"),
                                             ("lr=", "expected NAME=V1,V2"), ("lr=1e-3,x", "comma-separated"),
                                             ("lr=1e-3,-1", "learning rate must be a positive"),
                                             ("lr=1e-3,1e-3", "give distinct values")])

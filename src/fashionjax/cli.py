@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from fashionjax import __version__, rendezvous
-from fashionjax.config import MODELS, ConfigError, TrainConfig
+from fashionjax.config import MODELS, ConfigError, TrainConfig, require_sweepable
 from fashionjax.figures import percent, tta_name
 from fashionjax.signals import STOP_SIGNALS, Interrupted, StopRequests, interruption
 
@@ -284,6 +284,7 @@ def _sweep(text: str) -> tuple[str, tuple[float, ...]]:
     name = name.strip().lstrip("-").replace("-", "_")
     if not name or not values:
         raise ConfigError(f"--sweep: expected NAME=V1,V2,..., got {text!r}")
+    require_sweepable(name)  # before its values are read as numbers: `--sweep model=mlp,cnn`
     return name, _csv(values, float, f"--sweep {name.replace('_', '-')}")
 
 

@@ -139,8 +139,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     _require(config.checkpoint_every is None or config.checkpoint_every >= 1,
              f"--checkpoint-every must be at least 1, got {config.checkpoint_every}")
     for name, values in config.sweep:
-        _require(name in SWEEPABLE, f"--sweep {name.replace('_', '-')}: only {', '.join(n.replace('_', '-') for n in SWEEPABLE)} "
-                                    "can be swept (they are data in the optimizer state)")
+        require_sweepable(name)
         _require(len(values) >= 1 and len(set(values)) == len(values), f"--sweep {name.replace('_', '-')}: give distinct values")
         for value in values:
             validate(dataclasses.replace(config, sweep=(), **{name: value}))
@@ -153,6 +152,11 @@ def validate(config: TrainConfig) -> TrainConfig:
 
 
 SWEEPABLE = ("lr", "weight_decay", "momentum")  # float hyperparameters of the optimizer
+
+
+def require_sweepable(name: str) -> None:
+    _require(name in SWEEPABLE, f"--sweep {name.replace('_', '-')}: only {', '.join(n.replace('_', '-') for n in SWEEPABLE)} "
+                                "can be swept (they are data in the optimizer state)")
 
 
 def member_configs(config: TrainConfig) -> list[TrainConfig]:
