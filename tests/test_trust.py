@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import file_size_limited, synthetic_run, write_synthetic_files
+from PIL import Image
 
 from fashionjax import artifacts, cli, config, data, models, plan, rundir
 from fashionjax.report import render
@@ -329,6 +330,29 @@ def test_json_errors_name_the_broken_file(finished_run, tmp_path, synthetic_cli,
     (run_dir / "config.json").write_text('{"config": ')
     assert cli.main(["eval", str(run_dir)]) == 1
     assert "config.json: not valid JSON" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("document, fragment", [
+    ([1, 2], 'not a config.json that fashionjax wrote (no "config" object'),
+    ({"config": "mlp"}, 'not a config.json that fashionjax wrote (no "config" object'),
+    (None, "its config does not fit this version of fashionjax (TrainConfig.__init__() got an unexpected "
+           "keyword argument 'warp_drive')")])
+def test_a_config_json_of_another_shape_is_named_by_every_reader(finished_run, tmp_path, synthetic_cli, capsys,
+                                                                  document, fragment):
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    if document is None:  # a run of a later version, whose config has a field this one lacks
+        document = json.loads((run_dir / "config.json").read_text())
+        document["config"]["warp_drive"] = 1
+    (run_dir / "config.json").write_text(json.dumps(document))
+    picture = tmp_path / "picture.png"
+    Image.fromarray(np.full((28, 28), 200, np.uint8)).save(picture)
+    capsys.readouterr()
+    for command in (["eval", str(run_dir)], ["report", str(run_dir)], ["predict", str(run_dir), str(picture)],
+                    ["export", str(run_dir), "--format", "safetensors", "--out", str(tmp_path / "x")]):
+        assert cli.main([*command, "--json"]) == 1, command
+        error = json.loads(capsys.readouterr().out)["error"]
+        assert error["kind"] == "file" and f"{run_dir / 'config.json'}: {fragment}" in error["message"], error
 
 
 def test_a_run_of_another_model_version_is_named_as_such(finished_run, tmp_path, synthetic_cli, monkeypatch, capsys):

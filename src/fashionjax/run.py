@@ -68,7 +68,7 @@ def resumed_config(checkpoint_dir: Path, explicit: dict, note=lambda message: No
     differences = config_lib.differences(meta["config"], {**meta["config"], **explicit}, TRAJECTORY_FIELDS)
     if differences:
         raise checkpoint.ResumeError("cannot resume with a different config: " + ", ".join(differences))
-    saved = TrainConfig(**meta["config"])
+    saved = rundir.saved_config(meta["config"], checkpoint_dir)
     return dataclasses.replace(saved, **config_lib.one_length(explicit)), meta
 
 
@@ -247,8 +247,7 @@ class Trained:
 def load_trained(run_dir: str | Path, note=lambda message: None) -> Trained:
     """The newest intact checkpoint's parameters, opened read-only (safe on a run still training)."""
     run_dir = rundir.require_run(run_dir)
-    document = artifacts.read_json(run_dir / "config.json")
-    config = TrainConfig(**document["config"])
+    document, config = rundir.read_config(run_dir)
     template = train_lib.initial_state(config, 1, num_examples=document.get("plan", {}).get("num_examples"))
     step, state, _ = checkpoint.read_latest(run_dir / "checkpoints", template, note)
     return Trained(run_dir, config, step, train_lib.evaluated_params(config, state))

@@ -20,7 +20,7 @@ import shutil
 from pathlib import Path
 
 from fashionjax import artifacts
-from fashionjax.config import ConfigError
+from fashionjax.config import ConfigError, TrainConfig
 
 LOCK = ".fashionjax.lock"
 MANIFEST = ".fashionjax-manifest.json"
@@ -100,6 +100,27 @@ def is_run(run_dir: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(document, dict) and document.get("fashionjax", {}).get("kind") == MARKER["kind"]
+
+
+def read_config(run_dir: Path) -> tuple[dict, TrainConfig]:
+    """A run's config.json: the document and the TrainConfig it holds. A file that fashionjax did not
+    write in this form is an ArtifactError that names it, not a KeyError from deep inside a command."""
+    path = Path(run_dir) / "config.json"
+    document = artifacts.read_json(path)
+    fields = document.get("config") if isinstance(document, dict) else None
+    if not isinstance(fields, dict):
+        raise artifacts.ArtifactError(f"{path}: not a config.json that fashionjax wrote (no \"config\" object in it)")
+    return document, saved_config(fields, path)
+
+
+def saved_config(fields: dict, source: Path) -> TrainConfig:
+    """The TrainConfig of a saved config (config.json's, or a checkpoint's); fields that this version does
+    not have (a run of another fashionjax version) are an ArtifactError naming the source."""
+    try:
+        return TrainConfig(**fields)
+    except TypeError as err:
+        raise artifacts.ArtifactError(f"{source}: its config does not fit this version of fashionjax ({err}); "
+                                      "use the fashionjax that wrote it") from None
 
 
 def require_run(path: str | Path) -> Path:

@@ -87,7 +87,7 @@ def earlier_run(run_dir: Path, wanted: dict) -> str | None:
         state = "resumable"
     else:
         return "restart" if run_dir.exists() else None
-    differences = config_lib.differences(artifacts.read_json(run_dir / "config.json")["config"], wanted,
+    differences = config_lib.differences(rundir.read_config(run_dir)[0]["config"], wanted,
                                          RECIPE_FIELDS)
     if differences:
         raise ConfigError(f"{run_dir}: {'finished' if state == 'finished' else 'started'} with other settings "
@@ -191,7 +191,7 @@ def write(out_dir: Path, rows: list[dict], target: float, last_summary: dict, bl
     from fashionjax.report import plots, render
 
     model = models.get(last_summary["model"])
-    config = artifacts.read_json(Path(last_summary["run_dir"]) / "config.json")["config"]
+    config = rundir.read_config(Path(last_summary["run_dir"]))[0]["config"]
     document = {
         "model": model.name,
         "config": {name: value for name, value in config.items() if name != "seed"},

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import jinja2
 
-from fashionjax import artifacts, figures
+from fashionjax import artifacts, figures, rundir
 from fashionjax.figures import percent, points, tta_name
 
 # Published reference points (Fashion-MNIST benchmark, zalandoresearch/fashion-mnist README and
@@ -77,7 +77,7 @@ def settings(config: dict) -> list[tuple[str, str]]:
 def context(run_dir: str | Path, bench: str | Path | None = None) -> dict:
     """Everything the template shows, read from the run directory."""
     run_dir = Path(run_dir)
-    config = artifacts.read_json(run_dir / "config.json")
+    config, _ = rundir.read_config(run_dir)
     summary = _optional_json(run_dir / "summary.json")
     evaluation = _optional_json(run_dir / "eval.json")
     bench_document, bench_charts = load_bench(run_dir, bench)
