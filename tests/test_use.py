@@ -4,7 +4,10 @@ TensorBoard event files that mirror metrics.jsonl."""
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
+import os
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -167,8 +170,29 @@ def test_predict_with_no_readable_image_says_only_why(mlp_run, tmp_path, capsys)
     captured = capsys.readouterr()
     assert captured.out == ""  # no empty table
     assert captured.err.strip().splitlines() == [
-        f"fashionjax predict: {tmp_path / 'notes.png'}: not a readable image (cannot identify image file "
-        f"'{tmp_path / 'notes.png'}')"]
+        f"fashionjax predict: {tmp_path / 'notes.png'}: not a readable image (not in a picture format Pillow knows)"]
+
+
+def test_pictures_through_pipes_are_read_when_named_and_left_alone_in_folders(mlp_run, real_dataset, tmp_path):
+    # `fashionjax predict RUN <(curl -s URL)` names a pipe, which cannot seek; a pipe inside a folder is
+    # passed over, since reading one that nobody writes would block for ever
+    picture = io.BytesIO()
+    Image.fromarray(real_dataset.test.images_u8[0]).save(picture, "PNG")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    Image.fromarray(real_dataset.test.images_u8[1]).save(folder / "file.png")
+    os.mkfifo(folder / "nobody-writes")
+    bash = f"{sys.executable} -m fashionjax predict {mlp_run} <(cat) {folder} --json"
+    done = subprocess.run(["bash", "-c", bash], input=picture.getvalue(), capture_output=True, timeout=120)
+    document = json.loads(done.stdout)
+    assert done.returncode == 0 and document["failures"] == [], done.stderr
+    assert [Path(p["path"]).name for p in document["predictions"]][1:] == ["file.png"]
+    assert document["predictions"][0]["path"].startswith("/dev/fd/")
+
+    garbage = subprocess.run(["bash", "-c", f"{sys.executable} -m fashionjax predict {mlp_run} /dev/stdin"],
+                             input=b"not a picture", capture_output=True, timeout=120)
+    assert garbage.returncode == 1 and garbage.stderr.decode().strip().splitlines() == [
+        "fashionjax predict: /dev/stdin: not a readable image (not in a picture format Pillow knows)"]
 
 
 @pytest.mark.parametrize("argv, fragment", [

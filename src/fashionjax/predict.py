@@ -8,12 +8,13 @@ grayscale, inverted when its background is light, trimmed, scaled (aspect kept) 
 from __future__ import annotations
 
 import dataclasses
+import io
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import jax
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from fashionjax import evaluate
 from fashionjax.config import ConfigError
@@ -29,7 +30,8 @@ class ImageError(ValueError):
 
 def image_paths(paths: Sequence[str | Path]) -> list[Path]:
     """Every file named, and every file of every folder named (sorted, not recursive, hidden files
-    left out): a file there that is not an image is reported like any other, not skipped in silence."""
+    left out): a file there that is not an image is reported like any other, not skipped in silence.
+    Pipes are read only when named themselves: in a folder, one could block for ever."""
     found: list[Path] = []
     for path in map(Path, paths):
         if path.is_dir():
@@ -37,7 +39,7 @@ def image_paths(paths: Sequence[str | Path]) -> list[Path]:
             if not files:
                 raise ConfigError(f"{path}: no files in this folder")
             found += files
-        elif path.is_file():
+        elif path.exists():  # a file, or a pipe named on the command line: <(curl ...), /dev/stdin
             found.append(path)
         else:
             raise ConfigError(f"{path}: no such file or folder")
@@ -47,13 +49,17 @@ def image_paths(paths: Sequence[str | Path]) -> list[Path]:
 def load(path: str | Path) -> np.ndarray:
     """One image file as a (28, 28) uint8 Fashion-MNIST-style image; ImageError names a bad file."""
     try:
-        with Image.open(path) as image:
+        # a pipe cannot seek, which decoders need: its bytes are read whole first
+        source = path if Path(path).is_file() else io.BytesIO(Path(path).read_bytes())
+        with Image.open(source) as image:
             image.load()  # decode now: a truncated file fails here, not later
             image = ImageOps.exif_transpose(image)  # a phone photo's orientation tag
             if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
                 canvas = Image.new("RGBA", image.size, "white")  # transparent means background
                 image = Image.alpha_composite(canvas, image.convert("RGBA"))
             gray = _gray_u8(image)
+    except UnidentifiedImageError as err:  # its own text names a pipe's buffer, not the file
+        raise ImageError(f"{path}: not a readable image (not in a picture format Pillow knows)") from err
     except (OSError, ValueError, Image.DecompressionBombError) as err:
         raise ImageError(f"{path}: not a readable image ({err})") from err
     return to_fashion_mnist(gray)
