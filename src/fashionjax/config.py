@@ -190,7 +190,8 @@ def default(model: str = "mlp") -> TrainConfig:
         return dataclasses.replace(TrainConfig(), model="cnn", epochs=15, batch_size=256, lr=2e-3,
                                    weight_decay=5e-4, augment=True)
     # The 94% recipe: 20,000 steps, which reached 94.25% on an Intel Xeon where 14,000 gave 93.97%.
-    # `--steps 14000` is the 120-second record attempt: 94.05% on a Zen 4 EPYC, short on that Xeon.
+    # `--steps 14000 --alternate-flips` is the 120-second record attempt: 94.00% on that Xeon (94.05%
+    # on a Zen 4 EPYC without the flips).
     # Measurements behind each choice: docs/speedrun.md.
     if model == "speedrun":
         return dataclasses.replace(TrainConfig(), model="speedrun", steps=20_000, epochs=None, focus=0.5,
