@@ -261,6 +261,38 @@ def test_eval_and_report_against_a_live_training_change_nothing(reference, tmp_p
                           capture_output=True, timeout=120).returncode == 0 and out.stat().st_size > 1000
 
 
+def test_a_step_removed_between_orbax_checks_is_read_again(tmp_path, monkeypatch):
+    # orbax checks that a step's path exists and then that it is a directory: a step that the training
+    # removes between the two raises NotADirectoryError ("Path is not a directory"), seen once in the
+    # real-process test below. It means "removed", as FileNotFoundError does: the reader opens again.
+    calls = {"open": 0, "read": 0}
+
+    class Manager:
+        def close(self):
+            pass
+
+    def opening(directory, keep=3, writer=True):
+        calls["open"] += 1
+        if calls["open"] == 1:
+            raise NotADirectoryError(f"Path is not a directory: {directory / '90'}")
+        return Manager()
+
+    def read(manager):
+        calls["read"] += 1
+        if calls["read"] == 1:
+            raise NotADirectoryError(f"Path is not a directory: {tmp_path / '100'}")
+        return "the newer step"
+
+    monkeypatch.setattr(checkpoint, "_manager", opening)
+    assert checkpoint._read(tmp_path, read) == "the newer step" and calls == {"open": 3, "read": 2}
+
+    def always_gone(manager):
+        raise NotADirectoryError("Path is not a directory")
+
+    with pytest.raises(NotADirectoryError):  # the checkpoints folder itself is gone: nothing to wait for
+        checkpoint._read(tmp_path / "removed", always_gone)
+
+
 def test_readers_of_a_training_that_keeps_one_checkpoint_read_the_newer_one(real_dataset, tmp_path, capsys):
     """--keep 1 and a checkpoint every chunk: the training removes each checkpoint as soon as the next
     is down, often while eval, predict or export is reading it. Each reads the newer one instead."""

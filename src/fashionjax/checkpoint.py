@@ -118,17 +118,26 @@ def _superseded(checkpoint_dir: Path, step: int, newest_listed: int) -> bool:
         path.name.isdigit() and int(path.name) > newest_listed for path in checkpoint_dir.iterdir())
 
 
+# What orbax raises for a step directory removed under it: gone, or (it checks that the path exists,
+# then that it is a directory) "not a directory" when it went between the two checks.
+_VANISHED = (FileNotFoundError, NotADirectoryError)
+
+
 def _read(checkpoint_dir: Path, read: Callable):
     """read(manager) with a read-only manager of checkpoint_dir, which a live training may be changing:
     when it removes a checkpoint while the manager lists or reads it, the directory is opened again."""
     for _ in range(READ_TRIES):
         try:
             manager = _manager(checkpoint_dir, writer=False)
-        except FileNotFoundError:  # a step removed while the manager listed the steps
+        except _VANISHED:  # a step removed while the manager listed the steps
             continue
         try:
             return read(manager)
         except _Removed:
+            continue
+        except _VANISHED:  # a step removed between orbax's look at it and its use, outside a restore
+            if not checkpoint_dir.is_dir():
+                raise
             continue
         finally:
             manager.close()
