@@ -129,18 +129,15 @@ def _read(checkpoint_dir: Path, read: Callable):
     for _ in range(READ_TRIES):
         try:
             manager = _manager(checkpoint_dir, writer=False)
-        except _VANISHED:  # a step removed while the manager listed the steps
-            continue
-        try:
-            return read(manager)
+            try:
+                return read(manager)
+            finally:
+                manager.close()
         except _Removed:
             continue
-        except _VANISHED:  # a step removed between orbax's look at it and its use, outside a restore
+        except _VANISHED:  # a step removed while orbax listed, checked or opened it, outside a restore
             if not checkpoint_dir.is_dir():
                 raise
-            continue
-        finally:
-            manager.close()
     raise CheckpointError(f"{checkpoint_dir}: the training removed each checkpoint before it could be read "
                           f"({READ_TRIES} tries); try again, or train with a larger --keep")
 
