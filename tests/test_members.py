@@ -14,6 +14,7 @@ import pytest
 from test_distributed import completed, train_process
 
 from fashionjax import artifacts, cli, evaluate, train
+from fashionjax import run as run_lib
 from fashionjax.plan import Plan
 
 
@@ -86,6 +87,55 @@ def test_predict_and_export_of_a_multi_model_run_use_the_ensemble(synthetic_cli,
     assert code == 0 and json.loads(capsys.readouterr().out)["artifacts"]["stablehlo"]["differing_labels"] == 0
     logits = np.asarray(export.load(tmp_path / "x" / "model.stablehlo")(scaled))
     assert np.exp(logits) == pytest.approx(expected, abs=1e-6)
+
+
+def test_one_model_of_a_sweep_is_evaluated_predicted_and_exported_as_its_own_run(synthetic_cli, tmp_path, capsys):
+    from PIL import Image
+
+    from fashionjax import export
+
+    run_dir = str(tmp_path / "run")
+    summary = run_json(capsys, "--steps", "10", "--log-every", "5", "--batch-size", "64", "--sweep", "lr=1e-3,1e-2",
+                       "--seed", "4", "--seeds", "2", "--run-dir", run_dir)
+    trained = train.unstack(run_lib.load_trained(run_dir).params, 4)
+    images = synthetic_cli.test.images_u8[:6]
+    for k, image in enumerate(images):
+        Image.fromarray(image).save(tmp_path / f"{k}.png")
+    pictures = [str(tmp_path / f"{k}.png") for k in range(6)]
+    for member in (0, 2, 3):  # lr 1e-3 seed 4, lr 1e-2 seed 4, lr 1e-2 seed 5: summary.json's per_seed order
+        row = summary["per_seed"][member]
+        assert cli.main(["eval", run_dir, "--member", str(member), "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        assert report["member"] == member and "members" not in report  # scored as a run of its own
+        assert report["accuracy"] == row["test_accuracy"] and report["params_digest"] == row["params_digest"]
+        assert train.params_digest(trained[member]) == row["params_digest"]
+        expected = jax.nn.softmax(evaluate.classifier("mlp", trained[member])(images.astype(np.float32) / 255))
+        assert cli.main(["predict", run_dir, *pictures, "--top-k", "10", "--member", str(member), "--json"]) == 0
+        document = json.loads(capsys.readouterr().out)
+        assert document["member"] == member
+        for prediction, probs in zip(document["predictions"], np.asarray(expected), strict=True):
+            got = {t["label"]: t["probability"] for t in prediction["top_k"]}
+            assert [got[k] for k in range(10)] == pytest.approx(probs, abs=1e-6)
+        out = tmp_path / f"x{member}"
+        assert cli.main(["export", run_dir, "--format", "stablehlo", "--member", str(member), "--out", str(out),
+                         "--json"]) == 0
+        document = json.loads(capsys.readouterr().out)
+        assert document["member"] == member and document["params_digest"] == row["params_digest"]
+        saved = json.loads(artifacts.read_json(out / "export.json")["metadata"]["config"])
+        assert (saved["seed"], saved["lr"], saved["seeds"], saved["sweep"]) == (4 + member % 2, [1e-3, 1e-2][member // 2], 1, [])
+        logits = np.asarray(export.load(out / "model.stablehlo")(images.astype(np.float32) / 255))
+        np.testing.assert_allclose(jax.nn.softmax(logits), expected, atol=1e-6)
+    # without --member: the ensemble, as before
+    assert cli.main(["eval", run_dir, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["member"] is None and report["accuracy"] == summary["ensemble_test_accuracy"]
+    # a model the run does not hold: one line naming the flag and the run, exit 2, nothing written
+    for command in (["eval", run_dir], ["predict", run_dir, pictures[0]], ["export", run_dir, "--out", str(tmp_path / "y")]):
+        for member in ("4", "-1"):
+            assert cli.main([*command, "--member", member, "--json"]) == 2
+            message = json.loads(capsys.readouterr().out)["error"]["message"]
+            assert message == f"fashionjax {command[0]}: --member {member}: {run_dir} holds 4 models, numbered 0-3"
+    assert not (tmp_path / "y").exists()
 
 
 def test_the_ensemble_averages_probabilities_not_accuracies_or_votes():

@@ -69,6 +69,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress output")
 
 
+def _member_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--member", type=int, metavar="K",
+                        help="only model K of a multi-model run (--seeds, --sweep), counted from 0 in the order of "
+                             "summary.json's per_seed (default: all of them, as one ensemble)")
+
+
 def _data_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", help="directory with the four .gz files (no fallback if invalid)")
     parser.add_argument("--offline", action="store_true", default=None, help="never use the network")
@@ -144,6 +150,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
     eval_cmd = sub.add_parser("eval", help="re-score a run's newest checkpoint on all 10,000 test images")
     eval_cmd.add_argument("run_dir", help="a run directory written by `fashionjax train` (may still be training)")
+    _member_flag(eval_cmd)
     _data_flags(eval_cmd)
     _common(eval_cmd)
 
@@ -189,6 +196,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     predict_cmd.add_argument("run_dir", help="a run directory written by `fashionjax train`")
     predict_cmd.add_argument("paths", nargs="+", metavar="PATH", help="image files, or folders of them")
     predict_cmd.add_argument("--top-k", type=int, default=3, help="classes listed per image (default 3)")
+    _member_flag(predict_cmd)
     predict_cmd.add_argument("--save-preprocessed", metavar="FILE",
                              help="write a PNG grid of what the model saw, with its predictions")
     _common(predict_cmd)
@@ -201,6 +209,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     export_cmd.add_argument("run_dir", help="a run directory written by `fashionjax train`")
     export_cmd.add_argument("--format", default="all", help="onnx, stablehlo, safetensors or all (default all)")
     export_cmd.add_argument("--out", required=True, help="output directory")
+    _member_flag(export_cmd)
     _data_flags(export_cmd)
     _common(export_cmd)
 
@@ -327,7 +336,7 @@ def cmd_predict(args, out) -> int:
     paths = predict.image_paths(args.paths)
     if args.save_preprocessed:
         artifacts.ensure_file_target(args.save_preprocessed)
-    trained = run_lib.load_trained(run_dir, out.note)
+    trained = run_lib.load_trained(run_dir, out.note, args.member)
     config = trained.config
     classify = evaluate.run_classifier(config, trained.params)
     predictions, failures = predict.predict(classify, paths)
@@ -339,13 +348,13 @@ def cmd_predict(args, out) -> int:
             out.note(f"{row['path']}: blank (nothing stands out from its background); its class says nothing "
                      "about it")
     if rows:  # when every image failed, their error lines say all there is
-        out.show(console.table(f"predictions of {run_dir} (checkpoint step {trained.step})",
+        out.show(console.table(f"predictions of {run_dir}{_model_name(trained)} (checkpoint step {trained.step})",
                                ["image", "class", "probability", "next"],
                                [(row["path"], row["class"], f"{100 * row['probability']:.1f}%",
                                  ", ".join(f"{t['class']} {100 * t['probability']:.1f}%" for t in row["top_k"][1:]))
                                 for row in rows]))
-    document = {"run_dir": str(run_dir), "model": config.model, "checkpoint_step": trained.step,
-                "predictions": rows, "failures": failures}
+    document = {"run_dir": str(run_dir), "model": config.model, "member": trained.member,
+                "checkpoint_step": trained.step, "predictions": rows, "failures": failures}
     if args.save_preprocessed and predictions:
         titles = [f"{Path(row['path']).name[:18]}\n{row['class']} {100 * row['probability']:.0f}%" for row in rows]
         document["preprocessed"] = str(plots.titled_grid(
@@ -364,7 +373,7 @@ def cmd_export(args, out) -> int:
     wanted = export.formats(args.format)
     export.require(wanted)  # before the data and the model load
     dataset = _load_data(args, out)
-    trained = run_lib.load_trained(run_dir, out.note)
+    trained = run_lib.load_trained(run_dir, out.note, args.member)
     out_dir = rundir.ensure_out_dir(args.out)
     document = export.export(trained, wanted, out_dir, dataset.test.images_u8, dataset.class_names, out.note)
     for fmt, item in document["artifacts"].items():
@@ -407,18 +416,24 @@ def cmd_eval(args, out) -> int:
     run_dir = rundir.require_run(args.run_dir)
     environment.enable_compile_cache()
     dataset = _load_data(args, out)
-    scored = run_lib.rescore(run_dir, dataset, distributed.make_mesh("all"), out.note)
+    scored = run_lib.rescore(run_dir, dataset, distributed.make_mesh("all"), out.note, args.member)
     report = scored["report"]
     members = [(f"  seed {m['seed']}", percent(m["test_accuracy"]) if m["finite"] else "diverged")
                for m in report.get("members", [])]
     accuracy = "ensemble test accuracy" if members else "test accuracy"
-    out.show(console.table(f"evaluation of {run_dir}", ["", ""], [
+    out.show(console.table(f"evaluation of {run_dir}{_model_name(report)}", ["", ""], [
         (accuracy, f"{percent(report['accuracy'])} ({report['correct']:,} of {report['examples']:,})"), *members,
         *([(f"without {tta_name(report)}", percent(report["accuracy_no_tta"]))] if report["tta"] else []),
         ("test loss", f"{report['loss']:.4f}"), ("checkpoint step", report["step"]),
         ("params digest", report["params_digest"][:16])]))
     out.document(report)
     return EXIT_OK
+
+
+def _model_name(trained_or_report) -> str:
+    """", model K" after a run's name when a command used only model K of it (--member)."""
+    member = trained_or_report["member"] if isinstance(trained_or_report, dict) else trained_or_report.member
+    return "" if member is None else f", model {member}"
 
 
 def _csv(text: str | None, cast, flag: str):

@@ -70,9 +70,9 @@ def export(trained, wanted: tuple[str, ...], out_dir: Path, test_images_u8: np.n
     meta = metadata(config, params, class_names)
     images = test_images_u8.reshape(-1, SIDE, SIDE).astype(np.float32) / np.float32(255.0)
     reference = evaluate.in_fixed_batches(jax.jit(classify), images, VERIFY_BATCH)
-    document = {"run_dir": str(trained.run_dir), "checkpoint_step": trained.step, "model": config.model,
-                "params_digest": meta["params_digest"], "tta": config.tta, "tta_shift": config.tta_shift,
-                "artifacts": {}}
+    document = {"run_dir": str(trained.run_dir), "member": trained.member, "checkpoint_step": trained.step,
+                "model": config.model, "params_digest": meta["params_digest"], "tta": config.tta,
+                "tta_shift": config.tta_shift, "artifacts": {}}
     for fmt in wanted:
         path = out_dir / FILES[fmt]
         note(f"writing {path}")

@@ -25,7 +25,7 @@ from fashionjax import (
 )
 from fashionjax import config as config_lib
 from fashionjax import train as train_lib
-from fashionjax.config import TRAJECTORY_FIELDS, TrainConfig
+from fashionjax.config import TRAJECTORY_FIELDS, ConfigError, TrainConfig
 from fashionjax.plan import Plan
 from fashionjax.report import plots
 from fashionjax.rundir import RunDir
@@ -242,21 +242,46 @@ class Trained:
     config: TrainConfig
     step: int
     params: dict
+    member: int | None = None  # which model of a multi-model run these parameters are; None: all of them
 
 
-def load_trained(run_dir: str | Path, note=lambda message: None) -> Trained:
-    """The newest intact checkpoint's parameters, opened read-only (safe on a run still training)."""
+def load_trained(run_dir: str | Path, note=lambda message: None, member: int | None = None) -> Trained:
+    """The newest intact checkpoint's parameters, opened read-only (safe on a run still training); with
+    member, only that model of a multi-model run, as a run of its own would hold it (one_member)."""
     run_dir = rundir.require_run(run_dir)
     document, config = rundir.read_config(run_dir)
+    if member is not None:
+        member_config(config, member, run_dir)  # refused before the checkpoint is read
     template = train_lib.initial_state(config, 1, num_examples=document.get("plan", {}).get("num_examples"))
     step, state, _ = checkpoint.read_latest(run_dir / "checkpoints", template, note)
-    return Trained(run_dir, config, step, train_lib.evaluated_params(config, state))
+    trained = Trained(run_dir, config, step, train_lib.evaluated_params(config, state))
+    return trained if member is None else one_member(trained, member)
 
 
-def rescore(run_dir: Path, dataset: data.Dataset, mesh, note=lambda message: None) -> dict:
-    """Evaluate the newest intact checkpoint of a run again on the whole test set, touching nothing."""
-    trained = load_trained(run_dir, note)
+def member_config(config: TrainConfig, member: int, run_dir: Path) -> TrainConfig:
+    """The single-run config of the run's model number `member` (summary.json's per_seed order, from 0)."""
+    members = config_lib.member_configs(config)
+    if not 0 <= member < len(members):
+        held = f"holds {len(members)} models, numbered 0-{len(members) - 1}" if len(members) > 1 else "holds one model, numbered 0"
+        raise ConfigError(f"--member {member}: {run_dir} {held}")
+    return members[member]
+
+
+def one_member(trained: Trained, member: int) -> Trained:
+    """Model number `member` of a run's models: its own config (seed, swept values) and parameters,
+    which then predict, export and evaluate as a single run's model, not the ensemble."""
+    count = config_lib.member_count(trained.config)
+    params = trained.params if count == 1 else train_lib.unstack(trained.params, count)[member]
+    return dataclasses.replace(trained, config=member_config(trained.config, member, trained.run_dir), params=params,
+                               member=member)
+
+
+def rescore(run_dir: Path, dataset: data.Dataset, mesh, note=lambda message: None, member: int | None = None) -> dict:
+    """Evaluate the newest intact checkpoint of a run (or one of its models) again on the whole test
+    set, touching nothing."""
+    trained = load_trained(run_dir, note, member)
     scored = score(trained.config, trained.params, dataset, mesh)
     scored["report"]["step"] = trained.step
+    scored["report"]["member"] = trained.member
     scored["report"]["params_digest"] = train_lib.params_digest(trained.params)
     return scored
