@@ -261,6 +261,31 @@ def test_eval_and_report_against_a_live_training_change_nothing(reference, tmp_p
                           capture_output=True, timeout=120).returncode == 0 and out.stat().st_size > 1000
 
 
+def test_reading_a_training_before_its_first_checkpoint_names_the_training(real_dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    training = start(run_dir, "--checkpoint-every", "150")  # the first checkpoint at step 150
+    try:
+        wait_for(lambda: (run_dir / "config.json").is_file(), training)
+        training.send_signal(signal.SIGSTOP)  # held before its first checkpoint, as long as the test needs
+        assert not rundir.has_checkpoint(run_dir)
+        for command in (["eval", str(run_dir), "--offline"], ["predict", str(run_dir), str(run_dir / "config.json")]):
+            result = subprocess.run([sys.executable, "-m", "fashionjax", *command, "--json"], capture_output=True,
+                                    text=True, timeout=120)
+            message = json.loads(result.stdout)["error"]["message"]
+            assert result.returncode == 1 and result.stderr.count("\n") == 1
+            assert message == (f"fashionjax {command[0]}: {run_dir / 'checkpoints'}: no finalized checkpoint yet: "
+                               f"the training in this run "
+                               f"(pid {training.pid}) has not written its first; try again after it does")
+    finally:
+        training.kill()
+        training.wait(timeout=60)
+    result = subprocess.run([sys.executable, "-m", "fashionjax", "eval", str(run_dir), "--offline", "--json"],
+                            capture_output=True, text=True, timeout=120)  # nobody trains it now
+    assert result.returncode == 1
+    message = json.loads(result.stdout)["error"]["message"]
+    assert message == f"fashionjax eval: {run_dir / 'checkpoints'}: no finalized checkpoint"
+
+
 def test_a_step_removed_between_orbax_checks_is_read_again(tmp_path, monkeypatch):
     # orbax checks that a step's path exists and then that it is a directory: a step that the training
     # removes between the two raises NotADirectoryError ("Path is not a directory"), seen once in the

@@ -253,7 +253,15 @@ def load_trained(run_dir: str | Path, note=lambda message: None, member: int | N
     if member is not None:
         member_config(config, member, run_dir)  # refused before the checkpoint is read
     template = train_lib.initial_state(config, 1, num_examples=document.get("plan", {}).get("num_examples"))
-    step, state, _ = checkpoint.read_latest(run_dir / "checkpoints", template, note)
+    try:
+        step, state, _ = checkpoint.read_latest(run_dir / "checkpoints", template, note)
+    except checkpoint.CheckpointError:
+        pid = rundir.is_live(run_dir)
+        if pid is None or rundir.has_checkpoint(run_dir):
+            raise
+        raise checkpoint.CheckpointError(f"{run_dir / 'checkpoints'}: no finalized checkpoint yet: the training in "
+                                         f"this run (pid {pid}) has not written its first; try again after it "
+                                         "does") from None
     trained = Trained(run_dir, config, step, train_lib.evaluated_params(config, state))
     return trained if member is None else one_member(trained, member)
 
