@@ -348,7 +348,7 @@ def cmd_predict(args, out) -> int:
             out.note(f"{row['path']}: blank (nothing stands out from its background); its class says nothing "
                      "about it")
     if rows:  # when every image failed, their error lines say all there is
-        out.show(console.table(f"predictions of {run_dir}{_model_name(trained)} (checkpoint step {trained.step})",
+        out.show(console.table(f"predictions of {run_dir}{_model_name(trained.member)} (checkpoint step {trained.step})",
                                ["image", "class", "probability", "next"],
                                [(row["path"], row["class"], f"{100 * row['probability']:.1f}%",
                                  ", ".join(f"{t['class']} {100 * t['probability']:.1f}%" for t in row["top_k"][1:]))
@@ -421,7 +421,7 @@ def cmd_eval(args, out) -> int:
     members = [(f"  seed {m['seed']}", percent(m["test_accuracy"]) if m["finite"] else "diverged")
                for m in report.get("members", [])]
     accuracy = "ensemble test accuracy" if members else "test accuracy"
-    out.show(console.table(f"evaluation of {run_dir}{_model_name(report)}", ["", ""], [
+    out.show(console.table(f"evaluation of {run_dir}{_model_name(report['member'])}", ["", ""], [
         (accuracy, f"{percent(report['accuracy'])} ({report['correct']:,} of {report['examples']:,})"), *members,
         *([(f"without {tta_name(report)}", percent(report["accuracy_no_tta"]))] if report["tta"] else []),
         ("test loss", f"{report['loss']:.4f}"), ("checkpoint step", report["step"]),
@@ -430,9 +430,8 @@ def cmd_eval(args, out) -> int:
     return EXIT_OK
 
 
-def _model_name(trained_or_report) -> str:
+def _model_name(member: int | None) -> str:
     """", model K" after a run's name when a command used only model K of it (--member)."""
-    member = trained_or_report["member"] if isinstance(trained_or_report, dict) else trained_or_report.member
     return "" if member is None else f", model {member}"
 
 

@@ -270,8 +270,8 @@ def member_config(config: TrainConfig, member: int, run_dir: Path) -> TrainConfi
     """The single-run config of the run's model number `member` (summary.json's per_seed order, from 0)."""
     members = config_lib.member_configs(config)
     if not 0 <= member < len(members):
-        held = f"holds {len(members)} models, numbered 0-{len(members) - 1}" if len(members) > 1 else "holds one model, numbered 0"
-        raise ConfigError(f"--member {member}: {run_dir} {held}")
+        held = f"{len(members)} models, numbered 0-{len(members) - 1}" if len(members) > 1 else "one model, numbered 0"
+        raise ConfigError(f"--member {member}: {run_dir} holds {held}")
     return members[member]
 
 
