@@ -244,6 +244,13 @@ def test_a_diverging_member_is_reported_and_the_others_results_stand(synthetic_c
     assert [row["diverged"] for row in summary["sweep"]] == [False, True]
     assert summary["ensemble_members"] == 1 and summary["best"]["lr"] == 0.05
     assert summary["test_accuracy"] == summary["sweep"][0]["test_accuracy"] > 0.5
+    # the diverged model alone is refused in one line; the other is scored as the run's ensemble of one
+    assert cli.main(["eval", str(tmp_path / "run"), "--member", "1", "--json"]) == 2
+    message = json.loads(capsys.readouterr().out)["error"]["message"]
+    assert message == f"fashionjax eval: --member 1: model 1 of {tmp_path / 'run'} diverged (its parameters are not " \
+                      "finite); choose another"
+    assert cli.main(["eval", str(tmp_path / "run"), "--member", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["accuracy"] == summary["sweep"][0]["test_accuracy"]
 
 
 @pytest.mark.parametrize("sweep, fragment", [("clip=1,2", "only lr, weight-decay, momentum can be swept"),

@@ -279,7 +279,10 @@ def one_member(trained: Trained, member: int) -> Trained:
     """Model number `member` of a run's models: its own config (seed, swept values) and parameters,
     which then predict, export and evaluate as a single run's model, not the ensemble."""
     count = config_lib.member_count(trained.config)
-    params = trained.params if count == 1 else train_lib.unstack(trained.params, count)[member]
+    params = trained.params if count == 1 else jax.tree.map(lambda leaf: leaf[member], trained.params)
+    if not all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(params)):
+        raise ConfigError(f"--member {member}: model {member} of {trained.run_dir} diverged (its parameters are not "
+                          "finite); choose another")
     return dataclasses.replace(trained, config=member_config(trained.config, member, trained.run_dir), params=params,
                                member=member)
 
