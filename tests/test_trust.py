@@ -85,6 +85,17 @@ def test_a_locked_run_dir_is_refused_with_the_holders_pid(tmp_path, synthetic_cl
     assert not (tmp_path / "run" / rundir.LOCK).exists()  # a lock file it added to an empty directory goes
 
 
+def test_an_out_folder_is_held_while_a_command_writes_into_it(real_dataset, tmp_path, capsys):
+    with rundir.writing_into(tmp_path / "out") as out_dir:
+        assert rundir.is_live(out_dir) == str(os.getpid())
+        code = cli.main(["bench", "--quick", "--out", str(out_dir), "--json"])  # refused before it measures
+        error = json.loads(capsys.readouterr().out)["error"]
+        assert code == 1 and error["kind"] == "busy"
+        assert error["message"] == (f"fashionjax bench: {out_dir}: in use by another fashionjax command (pid "
+                                    f"{os.getpid()}); wait for it to finish or choose another --out")
+    assert list((tmp_path / "out").iterdir()) == []  # the lock goes with the command that added it
+
+
 @pytest.mark.slow
 def test_overwrite_replaces_a_run_and_never_a_users_file(tmp_path, synthetic_cli, capsys):
     run_dir = tmp_path / "run"

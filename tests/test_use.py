@@ -7,6 +7,7 @@ import importlib.util
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import types
@@ -15,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import SMALL_SPEEDRUN, synthetic_dataset
+from conftest import SMALL_SPEEDRUN, synthetic_dataset, wait_for
 from PIL import Image
 
 from fashionjax import (
@@ -27,6 +28,7 @@ from fashionjax import (
     export,
     models,
     predict,
+    rundir,
     tensorboard,
 )
 from fashionjax import run as run_lib
@@ -343,6 +345,31 @@ def test_an_output_file_flag_naming_a_folder_is_refused_before_any_work(mlp_run,
     monkeypatch.undo()
     code, document = call(capsys, "report", str(mlp_run), "--out", str(tmp_path / "new" / "page.html"))
     assert code == 0 and (tmp_path / "new" / "page.html").stat().st_size > 1000  # its folder made, as --out's are
+
+
+def test_two_exports_into_one_folder_at_once_the_second_is_refused(mlp_run, tmp_path):
+    # a user exporting two runs into one --out at once would get one run's model beside the other's
+    # export.json; the second is refused while the first writes, and the folder is free again after it
+    out = tmp_path / "x"
+    command = [sys.executable, "-m", "fashionjax", "export", str(mlp_run), "--format", "safetensors", "--out", str(out),
+               "--offline", "--json"]
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (out / rundir.LOCK).is_file() and (out / rundir.LOCK).read_text().strip(), first)
+        first.send_signal(signal.SIGSTOP)  # held inside its writes for as long as the second needs
+        second = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        error = json.loads(second.stdout)["error"]
+        assert second.returncode == 1 and error["kind"] == "busy"
+        assert error["message"] == (f"fashionjax export: {out}: in use by another fashionjax command (pid {first.pid}); "
+                                    "wait for it to finish or choose another --out")
+    finally:
+        first.send_signal(signal.SIGCONT)
+    out_text, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    assert artifacts.read_json(out / "export.json")["params_digest"] == json.loads(out_text)["params_digest"]
+    assert sorted(p.name for p in out.iterdir()) == ["export.json", "model.safetensors"]  # no lock file left
+    again = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
 
 
 def test_export_names_the_extra_when_a_converter_is_missing(mlp_run, tmp_path, capsys, monkeypatch):

@@ -60,8 +60,8 @@ def cmd_export(args, out) -> int:
     export.require(wanted)  # before the data and the model load
     dataset = data.load(args.data_dir, offline=args.offline, log=out.note)
     trained = run_lib.load_trained(run_dir, out.note, args.member)
-    out_dir = rundir.ensure_out_dir(args.out)
-    document = export.export(trained, wanted, out_dir, dataset.test.images_u8, dataset.class_names, out.note)
+    with rundir.writing_into(args.out) as out_dir:
+        document = export.export(trained, wanted, out_dir, dataset.test.images_u8, dataset.class_names, out.note)
     for fmt, item in document["artifacts"].items():
         check = (f"params equal: {item['params_equal']}" if fmt == "safetensors" else
                  f"{item['examples']:,} test images, max |logit difference| {item['max_abs_logit_difference']:.2e}, "

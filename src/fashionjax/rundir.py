@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from fashionjax import artifacts
@@ -49,9 +50,9 @@ def holder_pid(lock_path: Path) -> str:
         return "unknown"
 
 
-def busy(path: Path, flag: str = "--run-dir") -> RunDirBusy:
-    """The refusal of a directory another training holds, naming the flag that chooses another."""
-    return RunDirBusy(f"{path}: in use by another training (pid {holder_pid(path / LOCK)}); "
+def busy(path: Path, flag: str = "--run-dir", holder: str = "another training") -> RunDirBusy:
+    """The refusal of a directory another command holds, naming the flag that chooses another."""
+    return RunDirBusy(f"{path}: in use by {holder} (pid {holder_pid(path / LOCK)}); "
                       f"wait for it to finish or choose another {flag}")
 
 
@@ -142,6 +143,19 @@ def ensure_out_dir(path: str | Path) -> Path:
     return artifacts.ensure_dir(path)
 
 
+@contextlib.contextmanager
+def writing_into(path: str | Path) -> Iterator[Path]:
+    """The --out folder of export or bench (ensure_out_dir), locked while the command writes into it:
+    a second such command into the same folder at once is refused (RunDirBusy) instead of leaving
+    the folder with some files of each, such as one run's model beside another's export.json."""
+    out_dir = ensure_out_dir(path)
+    owned = RunDir.claim(out_dir, "--out", "another fashionjax command")
+    try:
+        yield out_dir
+    finally:
+        owned.release()
+
+
 def read_manifest(run_dir: Path) -> list[str]:
     try:
         names = json.loads((run_dir / MANIFEST).read_text())
@@ -164,8 +178,9 @@ class RunDir:
         self.lock_created = False
 
     @classmethod
-    def claim(cls, path: str | Path) -> RunDir:
-        """Create the directory when missing and take its lock, or raise RunDirBusy at once."""
+    def claim(cls, path: str | Path, flag: str = "--run-dir", holder: str = "another training") -> RunDir:
+        """Create the directory when missing and take its lock, or raise RunDirBusy at once (naming the
+        flag that chose the directory and what holds it)."""
         path = Path(path)
         if path.exists() and not path.is_dir():
             raise RunDirError(f"{path}: exists and is not a directory")
@@ -177,7 +192,7 @@ class RunDir:
         except OSError as err:
             raise RunDirError(f"{path}: output directory is not writable ({err.strerror})") from err
         if fd is None:
-            raise busy(path)
+            raise busy(path, flag, holder)
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         owned = cls(path, fd, created)
