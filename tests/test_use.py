@@ -372,6 +372,20 @@ def test_two_exports_into_one_folder_at_once_the_second_is_refused(mlp_run, tmp_
     assert again.returncode == 0, again.stderr
 
 
+def test_an_export_cut_short_leaves_no_export_json_of_an_earlier_one(mlp_run, real_dataset, tmp_path, monkeypatch):
+    trained = run_lib.load_trained(mlp_run)
+    export.export(trained, ("safetensors",), tmp_path, real_dataset.test.images_u8[:100], CLASS_NAMES)
+    assert (tmp_path / "export.json").is_file()
+
+    def cut(*args):
+        raise KeyboardInterrupt  # the user's Ctrl-C between two formats
+
+    monkeypatch.setattr(export, "stablehlo_bytes", cut)
+    with pytest.raises(KeyboardInterrupt):
+        export.export(trained, ("safetensors", "stablehlo"), tmp_path, real_dataset.test.images_u8[:100], CLASS_NAMES)
+    assert not (tmp_path / "export.json").exists() and (tmp_path / "model.safetensors").is_file()
+
+
 def test_export_names_the_extra_when_a_converter_is_missing(mlp_run, tmp_path, capsys, monkeypatch):
     real_find = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "jax2onnx" else

@@ -73,6 +73,9 @@ def export(trained, wanted: tuple[str, ...], out_dir: Path, test_images_u8: np.n
     document = {"run_dir": str(trained.run_dir), "member": trained.member, "checkpoint_step": trained.step,
                 "model": config.model, "params_digest": meta["params_digest"], "tta": config.tta,
                 "tta_shift": config.tta_shift, "artifacts": {}}
+    # an earlier export.json would describe files this export replaces: one cut short (a signal, a
+    # failed check) leaves none, so the folder never claims what it no longer holds
+    (out_dir / "export.json").unlink(missing_ok=True)
     for fmt in wanted:
         path = out_dir / FILES[fmt]
         note(f"writing {path}")
