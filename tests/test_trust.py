@@ -86,14 +86,32 @@ def test_a_locked_run_dir_is_refused_with_the_holders_pid(tmp_path, synthetic_cl
 
 
 def test_an_out_folder_is_held_while_a_command_writes_into_it(real_dataset, tmp_path, capsys):
-    with rundir.writing_into(tmp_path / "out") as out_dir:
+    with rundir.writing_into(tmp_path / "out", "export") as out_dir:
         assert rundir.is_live(out_dir) == str(os.getpid())
         code = cli.main(["bench", "--quick", "--out", str(out_dir), "--json"])  # refused before it measures
         error = json.loads(capsys.readouterr().out)["error"]
         assert code == 1 and error["kind"] == "busy"
-        assert error["message"] == (f"fashionjax bench: {out_dir}: in use by another fashionjax command (pid "
-                                    f"{os.getpid()}); wait for it to finish or choose another --out")
+        assert error["message"] == (f"fashionjax bench: {out_dir}: in use by an export (pid {os.getpid()}); "
+                                    "wait for it to finish or choose another --out")
     assert list((tmp_path / "out").iterdir()) == []  # the lock goes with the command that added it
+
+
+def test_a_run_dir_held_by_a_report_is_named_as_such(tmp_path, synthetic_cli, capsys):
+    run_dir = tmp_path / "run"
+    assert tiny_run(run_dir) == 0
+    capsys.readouterr()
+    owner = rundir.RunDir.claim(run_dir, "--out", "report")  # a report being written into it
+    try:
+        for argv, flag in ((["train", "--resume", "--run-dir", str(run_dir)], "--run-dir"),
+                           (["report", str(run_dir)], "--out")):
+            assert cli.main([*argv, "--json"]) == 1
+            error = json.loads(capsys.readouterr().out)["error"]
+            assert error["kind"] == "busy" and error["message"] == (
+                f"fashionjax {argv[0]}: {run_dir}: in use by a report being written (pid {os.getpid()}); "
+                f"wait for it to finish or choose another {flag}")
+    finally:
+        owner.release()
+    assert cli.main(["report", str(run_dir), "--json"]) == 0  # free again
 
 
 @pytest.mark.slow

@@ -360,7 +360,7 @@ def test_two_exports_into_one_folder_at_once_the_second_is_refused(mlp_run, tmp_
         second = subprocess.run(command, capture_output=True, text=True, timeout=120)
         error = json.loads(second.stdout)["error"]
         assert second.returncode == 1 and error["kind"] == "busy"
-        assert error["message"] == (f"fashionjax export: {out}: in use by another fashionjax command (pid {first.pid}); "
+        assert error["message"] == (f"fashionjax export: {out}: in use by an export (pid {first.pid}); "
                                     "wait for it to finish or choose another --out")
     finally:
         first.send_signal(signal.SIGCONT)

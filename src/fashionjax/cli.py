@@ -349,7 +349,7 @@ def cmd_bench(args, out) -> int:
     bench.validate(config, 60000, int(mesh.devices.size))  # flag faults before anything is written
     environment.enable_compile_cache()
     dataset = _load_data(args, out)
-    with rundir.writing_into(args.out or Path("runs") / f"bench-{artifacts.utc_stamp()}") as out_dir:
+    with rundir.writing_into(args.out or Path("runs") / f"bench-{artifacts.utc_stamp()}", "bench") as out_dir:
         document = bench.run(config, dataset.train.images_u8, dataset.train.labels, mesh, log=out.note)
         document = bench.write(document, out_dir)
     console.show_bench(out, document)

@@ -60,7 +60,7 @@ def cmd_export(args, out) -> int:
     export.require(wanted)  # before the data and the model load
     dataset = data.load(args.data_dir, offline=args.offline, log=out.note)
     trained = run_lib.load_trained(run_dir, out.note, args.member)
-    with rundir.writing_into(args.out) as out_dir:
+    with rundir.writing_into(args.out, "export") as out_dir:
         document = export.export(trained, wanted, out_dir, dataset.test.images_u8, dataset.class_names, out.note)
     for fmt, item in document["artifacts"].items():
         check = (f"params equal: {item['params_equal']}" if fmt == "safetensors" else
@@ -81,11 +81,12 @@ def cmd_report(args, out) -> int:
     if args.out:
         path = render.render(run_dir, args.bench, target=artifacts.ensure_file_target(args.out))
     else:
-        pid = rundir.is_live(run_dir)
-        if pid is not None:
+        pid, command = rundir.holder(run_dir / rundir.LOCK)
+        if rundir.is_live(run_dir) and command == "training":
             raise rundir.RunDirBusy(f"{run_dir}: still training (pid {pid}); the report is written only into a "
                                     "finished run: pass --out FILE to write it elsewhere now")
-        owned = rundir.RunDir.claim(run_dir)  # so that no training starts while the report is written
+        # held while it is written: no training starts meanwhile, and a second report is refused
+        owned = rundir.RunDir.claim(run_dir, "--out", "report")
         try:
             path = render.render(run_dir, args.bench, target=owned.file("report.html"))
         finally:

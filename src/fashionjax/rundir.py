@@ -43,16 +43,30 @@ def _listing(names) -> str:
     return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
-def holder_pid(lock_path: Path) -> str:
+# What a lock file's second line says holds the directory, as a refusal names it; a lock without one
+# (or of a version before it) was a training's.
+HOLDERS = {"training": "another training", "report": "a report being written", "export": "an export",
+           "bench": "a bench"}
+
+
+def holder(lock_path: Path) -> tuple[str, str]:
+    """(PID, command) of what the lock file says holds its directory (a key of HOLDERS)."""
     try:
-        return lock_path.read_text().strip() or "unknown"
+        lines = lock_path.read_text().split()
     except OSError:
-        return "unknown"
+        lines = []
+    return (lines[0] if lines else "unknown"), (lines[1] if len(lines) > 1 else "training")
 
 
-def busy(path: Path, flag: str = "--run-dir", holder: str = "another training") -> RunDirBusy:
-    """The refusal of a directory another command holds, naming the flag that chooses another."""
-    return RunDirBusy(f"{path}: in use by {holder} (pid {holder_pid(path / LOCK)}); "
+def holder_pid(lock_path: Path) -> str:
+    return holder(lock_path)[0]
+
+
+def busy(path: Path, flag: str = "--run-dir") -> RunDirBusy:
+    """The refusal of a directory another command holds: which command, its PID, and the flag that
+    chooses another directory."""
+    pid, command = holder(path / LOCK)
+    return RunDirBusy(f"{path}: in use by {HOLDERS.get(command, 'another fashionjax command')} (pid {pid}); "
                       f"wait for it to finish or choose another {flag}")
 
 
@@ -144,12 +158,12 @@ def ensure_out_dir(path: str | Path) -> Path:
 
 
 @contextlib.contextmanager
-def writing_into(path: str | Path) -> Iterator[Path]:
+def writing_into(path: str | Path, command: str) -> Iterator[Path]:
     """The --out folder of export or bench (ensure_out_dir), locked while the command writes into it:
     a second such command into the same folder at once is refused (RunDirBusy) instead of leaving
     the folder with some files of each, such as one run's model beside another's export.json."""
     out_dir = ensure_out_dir(path)
-    owned = RunDir.claim(out_dir, "--out", "another fashionjax command")
+    owned = RunDir.claim(out_dir, "--out", command)
     try:
         yield out_dir
     finally:
@@ -178,9 +192,9 @@ class RunDir:
         self.lock_created = False
 
     @classmethod
-    def claim(cls, path: str | Path, flag: str = "--run-dir", holder: str = "another training") -> RunDir:
-        """Create the directory when missing and take its lock, or raise RunDirBusy at once (naming the
-        flag that chose the directory and what holds it)."""
+    def claim(cls, path: str | Path, flag: str = "--run-dir", command: str = "training") -> RunDir:
+        """Create the directory when missing and take its lock for `command` (a key of HOLDERS), or
+        raise RunDirBusy at once (naming the flag that chose the directory and what holds it)."""
         path = Path(path)
         if path.exists() and not path.is_dir():
             raise RunDirError(f"{path}: exists and is not a directory")
@@ -192,9 +206,9 @@ class RunDir:
         except OSError as err:
             raise RunDirError(f"{path}: output directory is not writable ({err.strerror})") from err
         if fd is None:
-            raise busy(path, flag, holder)
+            raise busy(path, flag)
         os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        os.write(fd, f"{os.getpid()}\n{command}\n".encode())
         owned = cls(path, fd, created)
         owned.lock_created = not lock_existed
         return owned
