@@ -243,17 +243,11 @@ def cmd_doctor(args, out) -> int:
     return EXIT_OK
 
 
-def _load_data(args, out):
-    from fashionjax import data
-
-    return data.load(args.data_dir, offline=args.offline, log=out.note)
-
-
 def cmd_data(args, out) -> int:
     from fashionjax import console, data, rundir
     from fashionjax.report import plots
 
-    dataset = _load_data(args, out)
+    dataset = read_commands.load_data(args, out)
     summary = data.summarize(dataset)
     out_dir = rundir.ensure_out_dir(args.out)
     samples = plots.samples(dataset.train.images_u8, dataset.train.labels, dataset.class_names,
@@ -348,7 +342,7 @@ def cmd_bench(args, out) -> int:
     mesh = distributed.make_mesh(args.devices)
     bench.validate(config, 60000, int(mesh.devices.size))  # flag faults before anything is written
     environment.enable_compile_cache()
-    dataset = _load_data(args, out)
+    dataset = read_commands.load_data(args, out)
     with rundir.writing_into(args.out or Path("runs") / f"bench-{artifacts.utc_stamp()}", "bench") as out_dir:
         document = bench.run(config, dataset.train.images_u8, dataset.train.labels, mesh, log=out.note)
         document = bench.write(document, out_dir)

@@ -10,6 +10,13 @@ from fashionjax.exits import EXIT_FAILURE, EXIT_OK
 from fashionjax.figures import percent, tta_name
 
 
+def load_data(args, out):
+    """The dataset that --data-dir and --offline name (every command that reads it)."""
+    from fashionjax import data
+
+    return data.load(args.data_dir, offline=args.offline, log=out.note)
+
+
 def cmd_predict(args, out) -> int:
     from fashionjax import artifacts, console, evaluate, predict, rundir
     from fashionjax import run as run_lib
@@ -52,13 +59,13 @@ def cmd_predict(args, out) -> int:
 
 
 def cmd_export(args, out) -> int:
-    from fashionjax import data, export, rundir
+    from fashionjax import export, rundir
     from fashionjax import run as run_lib
 
     run_dir = rundir.require_run(args.run_dir)
     wanted = export.formats(args.format)
     export.require(wanted)  # before the data and the model load
-    dataset = data.load(args.data_dir, offline=args.offline, log=out.note)
+    dataset = load_data(args, out)
     trained = run_lib.load_trained(run_dir, out.note, args.member)
     with rundir.writing_into(args.out, "export") as out_dir:
         document = export.export(trained, wanted, out_dir, dataset.test.images_u8, dataset.class_names, out.note)
@@ -97,12 +104,12 @@ def cmd_report(args, out) -> int:
 
 
 def cmd_eval(args, out) -> int:
-    from fashionjax import console, data, distributed, environment, rundir
+    from fashionjax import console, distributed, environment, rundir
     from fashionjax import run as run_lib
 
     run_dir = rundir.require_run(args.run_dir)
     environment.enable_compile_cache()
-    dataset = data.load(args.data_dir, offline=args.offline, log=out.note)
+    dataset = load_data(args, out)
     scored = run_lib.rescore(run_dir, dataset, distributed.make_mesh("all"), out.note, args.member)
     report = scored["report"]
     members = [(f"  seed {m['seed']}", percent(m["test_accuracy"]) if m["finite"] else "diverged")

@@ -250,8 +250,7 @@ def load_trained(run_dir: str | Path, note=lambda message: None, member: int | N
     member, only that model of a multi-model run, as a run of its own would hold it (one_member)."""
     run_dir = rundir.require_run(run_dir)
     document, config = rundir.read_config(run_dir)
-    if member is not None:
-        member_config(config, member, run_dir)  # refused before the checkpoint is read
+    single = None if member is None else member_config(config, member, run_dir)  # refused before the read
     template = train_lib.initial_state(config, 1, num_examples=document.get("plan", {}).get("num_examples"))
     try:
         step, state, _ = checkpoint.read_latest(run_dir / "checkpoints", template, note)
@@ -263,7 +262,7 @@ def load_trained(run_dir: str | Path, note=lambda message: None, member: int | N
                                          f"this run (pid {pid}) has not written its first; try again after it "
                                          "does") from None
     trained = Trained(run_dir, config, step, train_lib.evaluated_params(config, state))
-    return trained if member is None else one_member(trained, member)
+    return trained if member is None else one_member(trained, member, single)
 
 
 def member_config(config: TrainConfig, member: int, run_dir: Path) -> TrainConfig:
@@ -275,16 +274,15 @@ def member_config(config: TrainConfig, member: int, run_dir: Path) -> TrainConfi
     return members[member]
 
 
-def one_member(trained: Trained, member: int) -> Trained:
-    """Model number `member` of a run's models: its own config (seed, swept values) and parameters,
-    which then predict, export and evaluate as a single run's model, not the ensemble."""
+def one_member(trained: Trained, member: int, single: TrainConfig) -> Trained:
+    """Model number `member` of a run's models, with its single-run config (member_config: its seed and
+    swept values): predicted, exported and evaluated as a single run's model, not the ensemble."""
     count = config_lib.member_count(trained.config)
     params = trained.params if count == 1 else jax.tree.map(lambda leaf: leaf[member], trained.params)
     if not all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(params)):
         raise ConfigError(f"--member {member}: model {member} of {trained.run_dir} diverged (its parameters are not "
                           "finite); choose another")
-    return dataclasses.replace(trained, config=member_config(trained.config, member, trained.run_dir), params=params,
-                               member=member)
+    return dataclasses.replace(trained, config=single, params=params, member=member)
 
 
 def rescore(run_dir: Path, dataset: data.Dataset, mesh, note=lambda message: None, member: int | None = None) -> dict:
