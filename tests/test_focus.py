@@ -127,6 +127,15 @@ def test_members_stepped_together_rank_once_a_pass_and_train_as_one_after_anothe
     expected_state, expected_metrics = jax.jit(alone)(*alone_args)
     assert metrics["loss"].shape == expected_metrics["loss"].shape == (2, 24)  # (members, steps)
     np.testing.assert_allclose(metrics["loss"], expected_metrics["loss"], rtol=1e-4)
-    np.testing.assert_array_equal(state.focus["order"], expected_state.focus["order"])  # the same pass read
+    # The same pass read: its images in the same order. The rest of the ranking may swap examples
+    # whose losses the two programs computed a rounding apart (it did on a Zen 3 EPYC), so there the
+    # losses it ranks must agree, not the indices.
+    pass_length = plan.resolve(config, len(labels)).focus_steps * config.batch_size
+    order, expected_order = np.asarray(state.focus["order"]), np.asarray(expected_state.focus["order"])
+    np.testing.assert_array_equal(order[:, :pass_length], expected_order[:, :pass_length])
+    losses = np.asarray(expected_state.focus["losses"])
+    for member in range(2):
+        ranked, expected_ranked = (losses[member, o[member, pass_length:]] for o in (order, expected_order))
+        np.testing.assert_allclose(ranked, expected_ranked, rtol=1e-4)
     for leaf, expected in zip(jax.tree.leaves(state.params), jax.tree.leaves(expected_state.params), strict=True):
-        np.testing.assert_allclose(leaf, expected, rtol=1e-3, atol=1e-5)
+        np.testing.assert_allclose(leaf, expected, rtol=1e-3, atol=1e-4)  # vmapped products sum in another order
