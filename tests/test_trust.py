@@ -71,7 +71,7 @@ def test_default_run_dirs_are_unique_when_many_start_at_once(tmp_path):
 def test_a_locked_run_dir_is_refused_with_the_holders_pid(tmp_path, synthetic_cli, capsys):
     owner = rundir.RunDir.claim(tmp_path / "run")
     try:
-        assert rundir.is_live(tmp_path / "run") == str(os.getpid())
+        assert rundir.is_live(tmp_path / "run") == (str(os.getpid()), "training")
         code = tiny_run(tmp_path / "run", "--json")
         captured = capsys.readouterr()
         assert code == 1
@@ -87,7 +87,7 @@ def test_a_locked_run_dir_is_refused_with_the_holders_pid(tmp_path, synthetic_cl
 
 def test_an_out_folder_is_held_while_a_command_writes_into_it(real_dataset, tmp_path, capsys):
     with rundir.writing_into(tmp_path / "out", "export") as out_dir:
-        assert rundir.is_live(out_dir) == str(os.getpid())
+        assert rundir.is_live(out_dir) == (str(os.getpid()), "export")
         code = cli.main(["bench", "--quick", "--out", str(out_dir), "--json"])  # refused before it measures
         error = json.loads(capsys.readouterr().out)["error"]
         assert code == 1 and error["kind"] == "busy"

@@ -88,9 +88,9 @@ def cmd_report(args, out) -> int:
     if args.out:
         path = render.render(run_dir, args.bench, target=artifacts.ensure_file_target(args.out))
     else:
-        pid, command = rundir.holder(run_dir / rundir.LOCK)
-        if rundir.is_live(run_dir) and command == "training":
-            raise rundir.RunDirBusy(f"{run_dir}: still training (pid {pid}); the report is written only into a "
+        live = rundir.is_live(run_dir)
+        if live and live[1] == "training":
+            raise rundir.RunDirBusy(f"{run_dir}: still training (pid {live[0]}); the report is written only into a "
                                     "finished run: pass --out FILE to write it elsewhere now")
         # held while it is written: no training starts meanwhile, and a second report is refused
         owned = rundir.RunDir.claim(run_dir, "--out", "report")

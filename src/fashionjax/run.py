@@ -255,11 +255,11 @@ def load_trained(run_dir: str | Path, note=lambda message: None, member: int | N
     try:
         step, state, _ = checkpoint.read_latest(run_dir / "checkpoints", template, note)
     except checkpoint.CheckpointError:
-        pid = rundir.is_live(run_dir)
-        if pid is None or rundir.has_checkpoint(run_dir):
+        live = rundir.is_live(run_dir)
+        if live is None or rundir.has_checkpoint(run_dir):
             raise
         raise checkpoint.CheckpointError(f"{run_dir / 'checkpoints'}: no finalized checkpoint yet: the training in "
-                                         f"this run (pid {pid}) has not written its first; try again after it "
+                                         f"this run (pid {live[0]}) has not written its first; try again after it "
                                          "does") from None
     trained = Trained(run_dir, config, step, train_lib.evaluated_params(config, state))
     return trained if member is None else one_member(trained, member, single)

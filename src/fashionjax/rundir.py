@@ -58,10 +58,6 @@ def holder(lock_path: Path) -> tuple[str, str]:
     return (lines[0] if lines else "unknown"), (lines[1] if len(lines) > 1 else "training")
 
 
-def holder_pid(lock_path: Path) -> str:
-    return holder(lock_path)[0]
-
-
 def busy(path: Path, flag: str = "--run-dir") -> RunDirBusy:
     """The refusal of a directory another command holds: which command, its PID, and the flag that
     chooses another directory."""
@@ -84,8 +80,9 @@ def _try_lock(lock_path: Path, create: bool) -> int | None:
     return fd
 
 
-def is_live(run_dir: str | Path) -> str | None:
-    """The PID of the training that holds run_dir, or None when nobody does (takes no lock)."""
+def is_live(run_dir: str | Path) -> tuple[str, str] | None:
+    """(PID, command) of what holds run_dir, as holder() reads it, or None when nothing does (takes no
+    lock)."""
     lock_path = Path(run_dir) / LOCK
     if not lock_path.is_file():
         return None
@@ -96,7 +93,7 @@ def is_live(run_dir: str | Path) -> str | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:
-        return holder_pid(lock_path)
+        return holder(lock_path)
     finally:
         os.close(fd)
     return None
