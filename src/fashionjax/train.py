@@ -593,9 +593,14 @@ def log_record(host_metrics: dict, healthy: np.ndarray, first_step: int, end: in
 
 def finite_members(params, members: int) -> np.ndarray:
     """(members,) bool: whose parameters are all finite (a deliberate sync, once per fit)."""
+    return np.asarray(distributed.fetch(_finite_members(params, members)))
+
+
+@functools.partial(jax.jit, static_argnums=1)  # one program, not one eager compile per leaf's shape
+def _finite_members(params, members: int):
     finite = jax.tree.map(lambda leaf: jnp.isfinite(leaf).reshape(members, -1).all(-1) if members > 1 else
                           jnp.isfinite(leaf).all()[None], params)
-    return np.asarray(distributed.fetch(jax.tree.reduce(jnp.logical_and, finite)))
+    return jax.tree.reduce(jnp.logical_and, finite)
 
 
 def _check_finite(host_metrics: dict, first_step: int) -> None:
