@@ -174,7 +174,7 @@ def test_a_signal_to_one_process_stops_all_at_one_checkpoint_that_resumes(real_d
         for p in processes:
             if p.poll() is None:
                 p.kill()
-    assert [p.returncode for p in processes] == [130, 130], "\n".join(err[-2000:] for _, err in outcomes)  # whole
+    assert [p.returncode for p in processes] == [130, 130], "\n".join(err[-2000:] for _, err in outcomes)  # a str: pytest cuts a long list
     step = json.loads(outcomes[0][0])["step"]
     assert json.loads(outcomes[1][0])["error"]["message"] == f"fashionjax train: interrupted by SIGINT at step {step}"
     assert max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == step
