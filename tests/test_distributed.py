@@ -159,13 +159,20 @@ def test_a_process_that_fails_stops_the_others_at_once_with_its_reason(real_data
         "this one stops too")
 
 
+# `fashionjax` whose process pauses 3 s before it leaves a multi-process run: a busy machine's slow
+# follower. Process 0 hosts JAX's coordination service; had it gone first, JAX would abort this one.
+SLOW_TO_LEAVE = (sys.executable, "-c", "import time; from fashionjax import cli, rendezvous; leave = rendezvous.leave; "
+                 "rendezvous.leave = lambda *a, **k: (time.sleep(3), leave(*a, **k)); cli.run()")
+
+
 def test_a_signal_to_one_process_stops_all_at_one_checkpoint_that_resumes(real_dataset, tmp_path):
     """A scheduler's SIGTERM or a Ctrl-C in one terminal reaches one process: alone, it would wait in its
     checkpoint for the others while they wait for its next step, both for ever."""
     run_dir = tmp_path / "run"
     coordinator = f"127.0.0.1:{free_port()}"
     processes = [train_process(run_dir, 2, "--steps", "100000", "--log-every", "5", "--coordinator", coordinator,
-                               "--num-processes", "2", "--process-id", str(i)) for i in range(2)]
+                               "--num-processes", "2", "--process-id", str(i),
+                               command=SLOW_TO_LEAVE if i else (sys.executable, "-m", "fashionjax")) for i in range(2)]
     try:
         wait_for(logged(run_dir), processes[0], timeout=180, poll=0.1)
         processes[1].send_signal(signal.SIGINT)

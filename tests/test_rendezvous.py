@@ -135,7 +135,7 @@ def test_process_0_passes_news_on_and_waits_for_the_others_to_act_before_it_acts
     assert told.wait(5) and heard == [(1, None)]
 
 
-def test_a_failing_process_tells_everyone_why_and_waits_for_them_to_stop():
+def test_a_failing_process_tells_everyone_why_and_process_0_acts_after_all_the_others_exit():
     ours_1, theirs_1 = socket.socketpair()
     ours_2, theirs_2 = socket.socketpair()
     _, heard, told = watched(0, {1: ours_1, 2: ours_2})
@@ -143,9 +143,12 @@ def test_a_failing_process_tells_everyone_why_and_waits_for_them_to_stop():
     failing, _, _ = watched(1, {0: theirs_1})
     started = time.monotonic()
     failing.leave("runs/x: in use by another training (pid 7)")
-    assert time.monotonic() - started < rendezvous.LET_GO_SECONDS  # process 0 stopped: no need to wait longer
-    assert told.wait(5) and heard == [(1, "runs/x: in use by another training (pid 7)")]
-    assert peer_told.wait(5) and peer_heard == heard
+    assert time.monotonic() - started < 0.5  # it goes at once: process 0 outlives it
+    reason = "runs/x: in use by another training (pid 7)"
+    assert peer_told.wait(5) and peer_heard == [(1, reason)]  # process 2 acted, and exited (its watch closed)
+    assert not told.wait(0.5)  # process 0 waits: process 1 is still attached to JAX's service
+    theirs_1.close()  # process 1 exits
+    assert told.wait(5) and heard == [(1, reason)]
 
 
 def test_a_leaving_process_reports_nothing_more():
@@ -154,3 +157,41 @@ def test_a_leaving_process_reports_nothing_more():
     leaving.leave()  # this process is done: what happens to the others is no longer its concern
     theirs.close()
     assert not told.wait(0.5) and heard == []
+
+
+@pytest.fixture
+def no_watch(monkeypatch):
+    """This test's own module-level watch, none left behind."""
+    for name, value in (("_watch", None), ("_left", None), ("failed_in_a_run", False)):
+        monkeypatch.setattr(rendezvous, name, value)
+
+
+def outliving(seconds: float) -> threading.Event:
+    done = threading.Event()
+    threading.Thread(target=lambda: (rendezvous.outlive_the_others(seconds), done.set()), daemon=True).start()
+    return done
+
+
+def test_process_0_leaving_without_jax_outlives_the_others(no_watch):
+    ours, theirs = socket.socketpair()  # process 0's connection to process 1, and process 1's to it
+    rendezvous.watch(0, {1: ours}, lambda *news: None)
+    follower, heard, _ = watched(1, {0: theirs})
+    rendezvous.leave()  # process 0, after a stop every process agreed on
+    done = outliving(10)
+    assert not done.wait(0.5)  # process 1 has not left yet
+    follower.leave()
+    assert not done.wait(0.5)  # it said bye but has not exited: still attached to JAX's service
+    theirs.close()  # its exit
+    assert done.wait(5) and heard == []
+
+
+def test_the_others_do_not_wait_and_process_0_waits_no_longer_than_its_bound(no_watch):
+    ours, _ = socket.socketpair()
+    rendezvous.watch(1, {0: ours}, lambda *news: None)
+    rendezvous.leave()
+    assert outliving(10).wait(0.5)  # process 1: nothing to outlive
+    ours, _hung = socket.socketpair()
+    rendezvous.watch(0, {1: ours}, lambda *news: None)
+    rendezvous.leave()
+    started = time.monotonic()
+    assert outliving(0.5).wait(5) and time.monotonic() - started >= 0.45  # process 1 hangs: the bound holds

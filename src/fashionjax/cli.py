@@ -447,12 +447,14 @@ def run() -> None:
     "PyThreadState_Get: ... the GIL is released", exit -6). By then every file is written and closed
     (checkpoints are synchronous), so only the output streams need flushing. A process that failed
     in a multi-process run leaves the same way: JAX's shutdown would wait for the processes it has
-    just told to stop, and abort from C++ when they leave."""
+    just told to stop, and abort from C++ when they leave; process 0 of such a run first outlives the
+    others (rendezvous.outlive_the_others)."""
     code = main()
     if code in {128 + signum for signum in STOP_SIGNALS} or rendezvous.failed_in_a_run:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # a closed or broken stream has nothing left to lose
                 stream.flush()
+        rendezvous.outlive_the_others()
         os._exit(code)
     sys.exit(code)
 

@@ -12,6 +12,13 @@ closes with neither means a process died hard (kill -9, a crash). Process 0 pass
 and the others stop at once, each with one line naming the process and why, where they would wait
 in a collective for JAX's own timeout or heartbeat (20-30 s) and end with its message or an abort
 from C++.
+
+Process 0 also hosts JAX's coordination service, and when it exits, JAX aborts from C++ every
+process still attached to it (seen: a process slow to leave after an agreed Ctrl-C ended with
+SIGABRT or exit 1, its one-line error and JSON lost). A run that ends through JAX's shutdown is safe:
+its barrier holds process 0 back. Every other way out (an agreed stop, a failure, news of one) is
+os._exit, and there process 0 goes last: each process keeps its connection open until it exits, and
+process 0 waits for them all to close (up to OUTLIVE_SECONDS).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from collections.abc import Callable
 GREETING = "fashionjax-roll-call"
 POLL_SECONDS = 0.2  # how often a wait looks at its deadline (and lets a signal through)
 REPLY_GRACE_SECONDS = 5.0  # process 0 gives up at its own deadline: waiting a little longer hears its reason
-LET_GO_SECONDS = 2.0  # how long a failing process waits for the others to act on its news
+OUTLIVE_SECONDS = 10.0  # how long process 0, leaving without JAX's shutdown, waits for the others to exit
 
 
 class CoordinatorError(RuntimeError):
@@ -122,44 +129,46 @@ class Watch:
             thread.start()
 
     def _watch(self, process_id: int, connection: socket.socket) -> None:
+        """Ends when that process has exited (its connection closed), or once this one acted on news."""
         line = _read_line(connection, math.inf)
         with self._decided:
-            if line == "bye" or self.leaving:
-                return
-            self.leaving = True
+            news = line != "bye" and not self.leaving
+            self.leaving = self.leaving or news
+        if not news:
+            if line == "bye":  # it is leaving: its exit closes the connection
+                _read_line(connection, math.inf)
+            return
         kind, _, rest = line.partition(" ")
         who, _, reason = rest.partition(" ")
         if kind in ("lost", "failed") and who.isdigit():
             process_id = int(who)  # process 0 passing on news of another
         else:
             kind, reason = "lost", ""
-        if self.own_id == 0:  # process 0 tells the rest, and lets them go before it does
+        if self.own_id == 0:  # process 0 tells the rest, and outlives them all, the one with the news too
             for other, peer in self.connections.items():
                 if other != process_id:
                     _tell(peer, f"{kind} {process_id} {reason}".rstrip())
-            self._await_hang_ups(but=process_id)
+            deadline = time.monotonic() + OUTLIVE_SECONDS
+            _read_line(connection, deadline)
+            self.await_exits(deadline)
         self.on_lost(process_id, reason if kind == "failed" else None)
 
-    def _await_hang_ups(self, but: int | None = None) -> None:
-        """Until the others have acted on the news (their connections close), or LET_GO_SECONDS: when
-        process 0 leaves, JAX aborts the processes still attached to it from C++."""
-        deadline = time.monotonic() + LET_GO_SECONDS
-        for process_id, thread in self.threads.items():
-            if process_id != but and thread is not threading.current_thread():
+    def await_exits(self, deadline: float) -> None:
+        """Until the other processes have exited (their connections closed), or the deadline passes."""
+        for thread in self.threads.values():
+            if thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
 
     def leave(self, failure: str | None = None) -> None:
+        """Say "bye", or why this process failed; the connections stay open until the process exits."""
         with self._decided:
             self.leaving = True
         for connection in self.connections.values():
             _tell(connection, "bye" if failure is None else f"failed {self.own_id} {failure}")
-        if failure is not None:
-            self._await_hang_ups()
-        for connection in self.connections.values():
-            connection.close()
 
 
 _watch: Watch | None = None
+_left: Watch | None = None  # the watch that leave() ended, until the process exits
 failed_in_a_run = False  # this process told the others of its run that it failed (see cli.run)
 
 
@@ -173,11 +182,19 @@ def watch(own_id: int, connections: dict[int, socket.socket], on_lost: Callable[
 def leave(failure: str | None = None) -> None:
     """Tell the processes this one watches that it is done: "bye", or its one-line error when it failed
     (nothing when it watches none)."""
-    global _watch, failed_in_a_run
+    global _watch, _left, failed_in_a_run
     if _watch is not None:
         _watch.leave(" ".join(failure.split()) if failure else None)
-        _watch = None
+        _watch, _left = None, _watch
         failed_in_a_run = failure is not None
+
+
+def outlive_the_others(seconds: float = OUTLIVE_SECONDS) -> None:
+    """Process 0, leaving without JAX's shutdown (after leave()): wait until the others have exited,
+    or `seconds`. The others return at once."""
+    if _left is not None and _left.own_id == 0:
+        with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C here: leave now
+            _left.await_exits(time.monotonic() + seconds)
 
 
 def _connect(coordinator: str, address: tuple[str, int], deadline: float, timeout: float) -> socket.socket:
