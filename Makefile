@@ -42,12 +42,9 @@ lint: install-dev
 # The full suite: what CI runs (it must stay under 20 minutes: --durations lists what costs most).
 # Two workers: a test spends much of its time on one core (imports, compiles, process start-up),
 # so two at a time keep both cores busy (1,294 s against 1,734 s one at a time on a Zen 3 EPYC).
-# The multi-process JAX tests then run alone: their processes coordinate through JAX's service,
-# which a second worker's load can delay (a follower once exited 1 where it should have left with 130).
 test: install-dev
 	$(BIN)/ruff check src tests benchmarks
-	$(BIN)/python -m pytest -q -n 2 --durations=25 -m "not multiprocess"
-	$(BIN)/python -m pytest -q --durations=5 -m multiprocess
+	$(BIN)/python -m pytest -q -n 2 --durations=25
 
 # The edit loop: unit tests only (no real-process fault tests, browser, notebook or multi-process).
 test-fast: install-dev

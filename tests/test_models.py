@@ -111,3 +111,14 @@ def test_the_deep_recipe_is_the_speedrun_recipe_longer_shifted_and_cosine():
     assert (speedrun.steps, speedrun.epochs, speedrun.schedule, speedrun.max_shift) == (20_000, None, "linear", 0)
     assert dataclasses.replace(deep, model="speedrun", epochs=None, steps=speedrun.steps, schedule="linear",
                                max_shift=0) == speedrun
+
+
+@pytest.mark.parametrize("shape", [(3, 3, 1, 9), (3, 3, 16, 32), (1152, 64), (64, 10), (7,)])
+def test_the_flat_draw_is_the_shaped_draw(shape):
+    # the init draws flat (XLA:CPU compiles it faster) and reshapes: every model's initial parameters,
+    # and so every published per-seed figure, rest on these being the same numbers bit for bit
+    for seed in (0, 5):
+        key = jax.random.fold_in(jax.random.key(seed), 11)
+        flat = np.asarray(models._flat_normal(key, shape))
+        shaped = np.asarray(jax.random.normal(key, shape, jnp.float32))
+        assert flat.shape == (shaped.size,) and np.array_equal(flat.reshape(shape).view(np.uint32), shaped.view(np.uint32))
