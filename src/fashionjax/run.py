@@ -134,11 +134,12 @@ def score(config: TrainConfig, params, dataset: data.Dataset, mesh) -> dict:
     if len(members) == 1:
         return evaluate.run(params, config.model, test.images_u8, test.labels, config.dtype,
                             config.eval_batch_size, mesh, config.tta, config.tta_shift)
-    scored = evaluate.run_members(distributed.fetch(params), config.model, test.images_u8, test.labels,
+    host_params = distributed.fetch(params)  # each member's digest below slices these: no device program
+    scored = evaluate.run_members(host_params, config.model, test.images_u8, test.labels,
                                   [member.seed for member in members], config.dtype, config.eval_batch_size, config.tta,
                                   config.tta_shift)
     for row, member, member_params in zip(scored["report"]["members"], members,
-                                          train_lib.unstack(params, len(members)), strict=True):
+                                          train_lib.unstack(host_params, len(members)), strict=True):
         row["params_digest"] = train_lib.params_digest(member_params)
         row.update({name: getattr(member, name) for name, _ in config.sweep})
     return scored

@@ -278,6 +278,7 @@ def initial_state(config: TrainConfig, schedule_steps: int, train_images_u8=None
     return stack(states) if len(states) > 1 else states[0]
 
 
+@jax.jit  # one program for the whole tree, where an eager jnp.stack compiles one per leaf shape
 def stack(trees: list):
     """Trees of equal structure -> one tree whose leaves have a leading member axis."""
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
