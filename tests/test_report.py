@@ -102,7 +102,7 @@ def test_report_in_a_real_browser(run_dir, tmp_path):
 
 
 @pytest.mark.browser
-def test_speedrun_page_in_a_real_browser(tmp_path, synthetic_cli, capsys):
+def test_speedrun_page_in_a_real_browser(tmp_path, synthetic_cli, small_speedrun, capsys):
     sync_api = pytest.importorskip("playwright.sync_api")
     executable = chromium_path()
     if executable is None:
