@@ -57,10 +57,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def two_processes(run_dir: Path, *extra: str) -> list[subprocess.Popen]:
+FASHIONJAX = (sys.executable, "-m", "fashionjax")
+
+
+def two_processes(run_dir: Path, *extra: str, commands=(FASHIONJAX, FASHIONJAX)) -> list[subprocess.Popen]:
     coordinator = f"127.0.0.1:{free_port()}"
     return [train_process(run_dir, 2, *extra, "--coordinator", coordinator, "--num-processes", "2",
-                          "--process-id", str(i)) for i in range(2)]
+                          "--process-id", str(i), command=command) for i, command in enumerate(commands)]
+
+
+def outcomes_of(processes: list[subprocess.Popen], timeout: float = 60) -> list[tuple[str, str]]:
+    """Each process's (stdout, stderr) once it has exited; any still running after `timeout` is killed."""
+    try:
+        return [p.communicate(timeout=timeout) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
 
 
 def assert_close(a: list[float], b: list[float], rel: float = 1e-5) -> None:
@@ -163,29 +176,37 @@ def test_a_process_that_fails_stops_the_others_at_once_with_its_reason(real_data
 # follower. Process 0 hosts JAX's coordination service; had it gone first, JAX would abort this one.
 SLOW_TO_LEAVE = (sys.executable, "-c", "import time; from fashionjax import cli, rendezvous; leave = rendezvous.leave; "
                  "rendezvous.leave = lambda *a, **k: (time.sleep(3), leave(*a, **k)); cli.run()")
+# A Ctrl-C that reaches this process alone as its evaluation begins (in another terminal, on another host)
+STOPPED_AT_EVALUATION = (sys.executable, "-c", "import os, signal; from fashionjax import cli, run; finish = run.finish; "
+                         "run.finish = lambda *a: (os.kill(os.getpid(), signal.SIGINT), finish(*a)); cli.run()")
 
 
 def test_a_signal_to_one_process_stops_all_at_one_checkpoint_that_resumes(real_dataset, tmp_path):
     """A scheduler's SIGTERM or a Ctrl-C in one terminal reaches one process: alone, it would wait in its
-    checkpoint for the others while they wait for its next step, both for ever."""
+    checkpoint for the others while they wait for its next step, both for ever. In training the processes
+    agree on the stop at a chunk end; after it (evaluation) the stopped one tells the others, which wait
+    for it in a collective, and they stop with it."""
     run_dir = tmp_path / "run"
-    coordinator = f"127.0.0.1:{free_port()}"
-    processes = [train_process(run_dir, 2, "--steps", "100000", "--log-every", "5", "--coordinator", coordinator,
-                               "--num-processes", "2", "--process-id", str(i),
-                               command=SLOW_TO_LEAVE if i else (sys.executable, "-m", "fashionjax")) for i in range(2)]
+    processes = two_processes(run_dir, "--steps", "100000", "--log-every", "5", commands=(FASHIONJAX, SLOW_TO_LEAVE))
     try:
         wait_for(logged(run_dir), processes[0], timeout=180, poll=0.1)
         processes[1].send_signal(signal.SIGINT)
-        outcomes = [p.communicate(timeout=60) for p in processes]
     finally:
-        for p in processes:
-            if p.poll() is None:
-                p.kill()
+        outcomes = outcomes_of(processes)
     assert [p.returncode for p in processes] == [130, 130], "\n".join(err[-2000:] for _, err in outcomes)  # a str: pytest cuts a long list
     step = json.loads(outcomes[0][0])["step"]
     assert json.loads(outcomes[1][0])["error"]["message"] == f"fashionjax train: interrupted by SIGINT at step {step}"
     assert max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == step
-    resumed = [completed(p, timeout=300) for p in two_processes(run_dir, "--resume", "--steps", str(step + 10))]
+    processes = two_processes(run_dir, "--resume", "--steps", str(step + 10), commands=(STOPPED_AT_EVALUATION, FASHIONJAX))
+    outcomes = outcomes_of(processes, timeout=300)
+    assert [p.returncode for p in processes] == [130, 130], "\n".join(err[-2000:] for _, err in outcomes)
+    assert json.loads(outcomes[0][0])["error"]["message"].startswith("fashionjax train: interrupted by SIGINT")
+    follower = json.loads(outcomes[1][0])["error"]
+    assert follower["kind"] == "interrupted" and follower["message"].startswith(
+        "fashionjax train: process 0 of this run was stopped by SIGINT; this one stops too")
+    assert not (run_dir / "summary.json").exists()
+    assert max(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == step + 10
+    resumed = [completed(p, timeout=300) for p in two_processes(run_dir, "--resume")]
     assert [s["steps"] for s in resumed] == [step + 10] * 2
     assert resumed[0]["params_digest"] == resumed[1]["params_digest"]
 

@@ -101,11 +101,11 @@ def test_a_port_already_taken_is_one_line_naming_it():
 
 
 def watched(own_id: int, connections: dict) -> tuple[rendezvous.Watch, list, threading.Event]:
-    heard: list[tuple[int, str | None]] = []
+    heard: list[tuple[int, str, str]] = []
     told = threading.Event()
 
-    def on_lost(process_id, failure):
-        heard.append((process_id, failure))
+    def on_lost(process_id, kind, detail):
+        heard.append((process_id, kind, detail))
         for connection in connections.values():  # as the process's exit would
             connection.close()
         told.set()
@@ -122,7 +122,7 @@ def test_a_process_that_says_bye_is_let_go_and_one_that_vanishes_is_reported():
     theirs_1.close()
     assert not told.wait(0.5) and heard == []
     theirs_2.close()  # process 2 vanished: no bye
-    assert told.wait(5) and heard == [(2, None)]
+    assert told.wait(5) and heard == [(2, "lost", "")]
 
 
 def test_process_0_passes_news_on_and_waits_for_the_others_to_act_before_it_acts():
@@ -131,8 +131,8 @@ def test_process_0_passes_news_on_and_waits_for_the_others_to_act_before_it_acts
     _, heard, told = watched(0, {1: ours_1, 2: ours_2})
     _, peer_heard, peer_told = watched(2, {0: theirs_2})  # process 2's watch on process 0
     theirs_1.close()  # process 1 dies
-    assert peer_told.wait(5) and peer_heard == [(1, None)]  # process 2 hears who, not that process 0 is gone
-    assert told.wait(5) and heard == [(1, None)]
+    assert peer_told.wait(5) and peer_heard == [(1, "lost", "")]  # process 2 hears who, not that process 0 is gone
+    assert told.wait(5) and heard == [(1, "lost", "")]
 
 
 def test_a_failing_process_tells_everyone_why_and_process_0_acts_after_all_the_others_exit():
@@ -142,13 +142,34 @@ def test_a_failing_process_tells_everyone_why_and_process_0_acts_after_all_the_o
     _, peer_heard, peer_told = watched(2, {0: theirs_2})
     failing, _, _ = watched(1, {0: theirs_1})
     started = time.monotonic()
-    failing.leave("runs/x: in use by another training (pid 7)")
+    failing.leave("failed", "runs/x: in use by another training (pid 7)")
     assert time.monotonic() - started < 0.5  # it goes at once: process 0 outlives it
     reason = "runs/x: in use by another training (pid 7)"
-    assert peer_told.wait(5) and peer_heard == [(1, reason)]  # process 2 acted, and exited (its watch closed)
+    assert peer_told.wait(5) and peer_heard == [(1, "failed", reason)]  # process 2 acted, and exited (its watch closed)
     assert not told.wait(0.5)  # process 0 waits: process 1 is still attached to JAX's service
     theirs_1.close()  # process 1 exits
-    assert told.wait(5) and heard == [(1, reason)]
+    assert told.wait(5) and heard == [(1, "failed", reason)]
+
+
+def test_a_process_stopped_alone_names_its_signal_to_the_others(no_watch):
+    """A Ctrl-C in process 0's terminal during evaluation stops it alone: its followers, waiting for it
+    in a collective, hear which signal stopped it (and so end as stopped, not failed)."""
+    ours_1, theirs_1 = socket.socketpair()
+    ours_2, theirs_2 = socket.socketpair()
+    rendezvous.watch(0, {1: ours_1, 2: ours_2}, lambda *news: None)
+    _, heard_1, told_1 = watched(1, {0: theirs_1})
+    _, heard_2, told_2 = watched(2, {0: theirs_2})
+    rendezvous.leave(stopped_by="SIGINT")
+    assert told_1.wait(5) and told_2.wait(5) and heard_1 == heard_2 == [(0, "stopped", "SIGINT")]
+    assert not rendezvous.failed_in_a_run
+    ours_2, theirs_2 = socket.socketpair()  # and a follower stopped alone: process 0 passes it on
+    ours_3, theirs_3 = socket.socketpair()
+    _, heard_0, told_0 = watched(0, {2: ours_2, 3: ours_3})
+    theirs_2.sendall(b"stopped 2 SIGTERM\n")
+    theirs_2.close()
+    assert rendezvous._read_line(theirs_3, time.monotonic() + 5) == "stopped 2 SIGTERM"
+    theirs_3.close()
+    assert told_0.wait(5) and heard_0 == [(2, "stopped", "SIGTERM")]
 
 
 def test_a_leaving_process_reports_nothing_more():

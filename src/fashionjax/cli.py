@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -420,8 +421,10 @@ def _run(argv: list[str], out, stops: StopRequests) -> int:
         more = " (--debug shows the rest)" if len(lines) > 1 else ""
         message = f"{err.command if isinstance(err, UsageError) else command}: {lines[0]}{more}"
         code = exit_code(err)
-        if not isinstance(err, Interrupted):  # a stop is agreed by all processes; a failure is news to them
+        if not isinstance(err, Interrupted):  # a failure, and a stop the others did not agree on, is news to them
             rendezvous.leave(failure=lines[0])
+        elif not err.agreed:
+            rendezvous.leave(stopped_by=signal.Signals(err.signum).name)
         out.fail(message, code, error_kind(err))
         return code
     finally:

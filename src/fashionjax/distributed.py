@@ -28,11 +28,11 @@ def parse_address(coordinator: str) -> tuple[str, int]:
 
 
 def initialize(coordinator: str | None, num_processes: int | None, process_id: int | None,
-               on_lost: Callable[[int, str | None], None], auto: bool = False, timeout: float = 60.0) -> None:
+               on_lost: Callable[[int, str, str], None], auto: bool = False, timeout: float = 60.0) -> None:
     """Start jax.distributed when asked, or with auto=True from the cluster environment (SLURM, ...).
 
-    With --coordinator, on_lost(process id, its error or None) runs when another process fails or dies
-    (see rendezvous); rendezvous.leave() ends the watch.
+    With --coordinator, on_lost(process id, kind, detail) runs when another process fails, is stopped
+    alone or dies (see rendezvous); rendezvous.leave() ends the watch.
     """
     import jax
 

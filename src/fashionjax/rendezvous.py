@@ -7,11 +7,12 @@ JSON). With it, each process says what is wrong in one line and exits 1. Process
 before JAX binds it; the connections it accepted may stay open (both sides allow address reuse).
 
 The roll call's connections then stay open as a watch. A process that fails says so on them
-("failed", with its one-line error) and one that leaves otherwise says "bye"; a connection that
-closes with neither means a process died hard (kill -9, a crash). Process 0 passes the news on,
-and the others stop at once, each with one line naming the process and why, where they would wait
-in a collective for JAX's own timeout or heartbeat (20-30 s) and end with its message or an abort
-from C++.
+("failed", with its one-line error); one stopped by a signal that the others did not agree on (a
+Ctrl-C in one terminal during evaluation) says "stopped", with the signal; one that leaves otherwise
+says "bye". A connection that closes with none of these means a process died hard (kill -9, a
+crash). Process 0 passes the news on, and the others stop at once, each with one line naming the
+process and why, where they would wait in a collective for JAX's own timeout or heartbeat (20-30 s)
+and end with its message or an abort from C++.
 
 Process 0 also hosts JAX's coordination service, and when it exits, JAX aborts from C++ every
 process still attached to it (seen: a process slow to leave after an agreed Ctrl-C ended with
@@ -34,6 +35,7 @@ GREETING = "fashionjax-roll-call"
 POLL_SECONDS = 0.2  # how often a wait looks at its deadline (and lets a signal through)
 REPLY_GRACE_SECONDS = 5.0  # process 0 gives up at its own deadline: waiting a little longer hears its reason
 OUTLIVE_SECONDS = 10.0  # how long process 0, leaving without JAX's shutdown, waits for the others to exit
+NEWS = ("lost", "failed", "stopped")  # what a watch reports: died without a word, failed, stopped alone
 
 
 class CoordinatorError(RuntimeError):
@@ -115,11 +117,10 @@ def check_in(coordinator: str, address: tuple[str, int], process_id: int, num_pr
 class Watch:
     """The roll call's connections, watched until this process leaves (see the module's docstring)."""
 
-    def __init__(self, own_id: int, connections: dict[int, socket.socket],
-                 on_lost: Callable[[int, str | None], None]):
+    def __init__(self, own_id: int, connections: dict[int, socket.socket], on_lost: Callable[[int, str, str], None]):
         self.own_id = own_id
         self.connections = connections  # the other end's process id -> its connection
-        self.on_lost = on_lost  # (process id, its error or None when it died without a word)
+        self.on_lost = on_lost  # (process id, a kind in NEWS, its detail: the error, the signal's name or "")
         self.leaving = False
         self._decided = threading.Lock()  # the first news, or this process's own leaving, wins
         self.threads = {process_id: threading.Thread(target=self._watch, args=(process_id, connection), daemon=True,
@@ -140,8 +141,8 @@ class Watch:
             return
         kind, _, rest = line.partition(" ")
         who, _, reason = rest.partition(" ")
-        if kind in ("lost", "failed") and who.isdigit():
-            process_id = int(who)  # process 0 passing on news of another
+        if kind in NEWS and who.isdigit():
+            process_id = int(who)  # its own news, or process 0 passing on another's
         else:
             kind, reason = "lost", ""
         if self.own_id == 0:  # process 0 tells the rest, and outlives them all, the one with the news too
@@ -151,7 +152,7 @@ class Watch:
             deadline = time.monotonic() + OUTLIVE_SECONDS
             _read_line(connection, deadline)
             self.await_exits(deadline)
-        self.on_lost(process_id, reason if kind == "failed" else None)
+        self.on_lost(process_id, kind, reason)
 
     def await_exits(self, deadline: float) -> None:
         """Until the other processes have exited (their connections closed), or the deadline passes."""
@@ -159,12 +160,12 @@ class Watch:
             if thread is not threading.current_thread():
                 thread.join(max(0.0, deadline - time.monotonic()))
 
-    def leave(self, failure: str | None = None) -> None:
-        """Say "bye", or why this process failed; the connections stay open until the process exits."""
+    def leave(self, news: str | None = None, detail: str = "") -> None:
+        """Say "bye", or a NEWS kind and its detail; the connections stay open until the process exits."""
         with self._decided:
             self.leaving = True
         for connection in self.connections.values():
-            _tell(connection, "bye" if failure is None else f"failed {self.own_id} {failure}")
+            _tell(connection, "bye" if news is None else f"{news} {self.own_id} {detail}".rstrip())
 
 
 _watch: Watch | None = None
@@ -172,19 +173,23 @@ _left: Watch | None = None  # the watch that leave() ended, until the process ex
 failed_in_a_run = False  # this process told the others of its run that it failed (see cli.run)
 
 
-def watch(own_id: int, connections: dict[int, socket.socket], on_lost: Callable[[int, str | None], None]) -> None:
-    """Watch the roll call's connections: on_lost(process id, its error or None) runs (in a thread) when
-    another process fails or dies. Call leave() when this process is done."""
+def watch(own_id: int, connections: dict[int, socket.socket], on_lost: Callable[[int, str, str], None]) -> None:
+    """Watch the roll call's connections: on_lost(process id, kind, detail) runs (in a thread) when
+    another process fails, is stopped alone or dies (the kinds in NEWS). Call leave() when this process
+    is done."""
     global _watch
     _watch = Watch(own_id, connections, on_lost)
 
 
-def leave(failure: str | None = None) -> None:
-    """Tell the processes this one watches that it is done: "bye", or its one-line error when it failed
-    (nothing when it watches none)."""
+def leave(failure: str | None = None, stopped_by: str | None = None) -> None:
+    """Tell the processes this one watches that it is done: "bye"; or its one-line error when it
+    failed; or the name of the signal that stopped it alone (nothing when it watches none)."""
     global _watch, _left, failed_in_a_run
     if _watch is not None:
-        _watch.leave(" ".join(failure.split()) if failure else None)
+        if failure is not None:
+            _watch.leave("failed", " ".join(failure.split()))
+        else:
+            _watch.leave("stopped" if stopped_by else None, stopped_by or "")
         _watch, _left = None, _watch
         failed_in_a_run = failure is not None
 

@@ -17,12 +17,14 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class Interrupted(Exception):
-    """A signal stopped the command; `step` is the checkpointed step when training had begun."""
+    """A signal stopped the command; `step` is the checkpointed step when training had begun. `agreed`:
+    every process of a multi-process run stops here too (they agreed on it at a chunk end)."""
 
-    def __init__(self, signum: int, step: int | None = None):
+    def __init__(self, signum: int, step: int | None = None, agreed: bool = False):
         super().__init__(signum, step)
         self.signum = signum
         self.step = step
+        self.agreed = agreed
         self.outcome: str | None = None  # what the interrupt left behind, said by whoever knows
 
     def __str__(self) -> str:

@@ -531,7 +531,7 @@ def fit(
             if chunks_run == 0:  # a stop during start-up or compile: nothing to save
                 signum = distributed.agreed_stop(hooks.stop_signal())
                 if signum is not None:
-                    raise Interrupted(signum, step)
+                    raise Interrupted(signum, step, agreed=True)
             tic = time.perf_counter()
             state, chunk_metrics = compiled[num_steps](*args)
             jax.block_until_ready((state, chunk_metrics))  # fence: the clock stops when the work is done
@@ -563,7 +563,7 @@ def fit(
         if checkpointer is not None and (signum is not None or step == plan.total_steps or crossed):
             checkpointer.save(step, state, plan, dataclasses.asdict(stats))
         if signum is not None and step < plan.total_steps:
-            raise Interrupted(signum, step)
+            raise Interrupted(signum, step, agreed=True)
 
     stats.wall_seconds = wall_before + time.perf_counter() - started
     return FitResult(state=state, plan=plan, stats=stats)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shlex
+import signal
 from pathlib import Path
 
 from fashionjax import (
@@ -140,16 +141,21 @@ def _train_owned(args, out, stops: StopRequests, explicit: dict, owned, target) 
 
 
 def _stop_for_a_lost_process(out):
-    """What a process does when another of its run fails or dies (rendezvous' watch, in a thread): say
-    so in one line and leave at once, where it would wait in a collective for JAX's timeout or abort."""
-    def stop(process_id: int, failure: str | None) -> None:
-        if failure is None:
-            message = (f"fashionjax train: process {process_id} of this run ended without a word (killed or crashed); "
-                       "this one stops too, its finalized checkpoints kept (start every process again with --resume)")
+    """What a process does when another of its run fails, is stopped alone or dies (rendezvous' watch,
+    in a thread): say so in one line and leave at once, where it would wait in a collective for JAX's
+    timeout or abort. A stop ends every process with that signal's exit code, as an agreed one does."""
+    def stop(process_id: int, kind: str, detail: str) -> None:
+        kept = "its finalized checkpoints kept (start every process again with --resume)"
+        code, error_kind = 1, "runtime"
+        if kind == "failed":
+            message = f"process {process_id} of this run failed ({detail}); this one stops too"
+        elif kind == "stopped" and detail in signal.Signals.__members__:
+            message = f"process {process_id} of this run was stopped by {detail}; this one stops too, {kept}"
+            code, error_kind = 128 + signal.Signals[detail], "interrupted"
         else:
-            message = f"fashionjax train: process {process_id} of this run failed ({failure}); this one stops too"
-        out.fail(message, 1, "runtime")
-        os._exit(1)  # the main thread may be waiting in a collective that will never complete
+            message = f"process {process_id} of this run ended without a word (killed or crashed); this one stops too, {kept}"
+        out.fail(f"fashionjax train: {message}", code, error_kind)
+        os._exit(code)  # the main thread may be waiting in a collective that will never complete
     return stop
 
 
