@@ -553,8 +553,10 @@ def test_speedrun_blend_scores_each_seed_with_the_same_seed_of_another_record(tm
         assert cli.main([*own, "--out", str(tmp_path / "alone"), "--blend", str(tmp_path / "mlp"), *weight]) == 0
         return json.loads(capsys.readouterr().out)
 
+    programs = blend._both._cache_size()
     assert [part["weight"] for part in blended()["per_seed"][0]["blend"]] == [1.0, 1.0]  # the default: equal
     document = blended("--blend-weight", "0.5")
+    assert blend._both._cache_size() == programs + 2  # one per recipe, whichever seed or weight
     assert document["blend"]["model"] == "mlp" and document["blend"]["weight"] == 0.5
     assert document["train_flops_per_run"] == alone["train_flops_per_run"] + mlp["train_flops_per_run"]
     for row, own_row, mlp_row in zip(document["per_seed"], alone["per_seed"], mlp["per_seed"], strict=True):

@@ -84,9 +84,18 @@ def test_evaluation_counts_every_example_once_with_a_padded_last_batch(small_dat
     report = scored["report"]
     assert report["examples"] == 300 and report["padded_examples"] == 84
     assert int(np.asarray(report["confusion"]).sum()) == 300
-    unpadded = evaluate.run(params, "mlp", test.images_u8, test.labels, batch_size=300)["report"]
+    unpadded = evaluate.run(params, "mlp", test.images_u8, test.labels, batch_size=1000)["report"]
+    assert unpadded["eval_batch_size"] == 300 and unpadded["padded_examples"] == 0  # not padded up to 1000
     assert report["correct"] == unpadded["correct"]
     assert report["loss"] == pytest.approx(unpadded["loss"], rel=1e-6)
+
+
+def test_a_batch_is_never_larger_than_the_examples_need():
+    assert evaluate.batch_for(10_000, 1000) == 1000
+    assert evaluate.batch_for(300, 1000) == 300  # a small test set is one batch of its own size
+    assert evaluate.batch_for(3, 256) == 3  # three pictures to predict
+    assert evaluate.batch_for(301, 1000, shards=4) == 304 and evaluate.batch_for(10, 3, shards=4) == 4
+    assert evaluate.batch_for(0, 1000) == 1
 
 
 def test_metrics_by_hand():

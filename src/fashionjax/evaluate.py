@@ -114,6 +114,14 @@ def make_predict(model: models.Model, dtype, mesh, tta: bool = False, tta_shift:
     return predict
 
 
+def batch_for(num_examples: int, batch_size: int, shards: int = 1) -> int:
+    """The batch that scores num_examples in batches of one shape: batch_size, unless fewer examples
+    than that are scored (a small test set, a few pictures), which are not padded up to it; in whole
+    shards (one per device)."""
+    batch = max(1, min(batch_size, num_examples))
+    return -(-batch // shards) * shards
+
+
 def pad_to_batches(images_u8: np.ndarray, labels: np.ndarray, batch_size: int):
     """Pad with zeros to whole batches; returns (images (nb, B, 784), labels (nb, B), num_real)."""
     num_real = len(labels)
@@ -127,9 +135,11 @@ def pad_to_batches(images_u8: np.ndarray, labels: np.ndarray, batch_size: int):
 
 
 def in_fixed_batches(fn, images: np.ndarray, batch_size: int) -> np.ndarray:
-    """fn's output row for each image, batch_size images per call: the last batch is padded with
-    zeros, so a compiled fn sees one shape. fn's result is synced to the host (the caller's answer)."""
+    """fn's output row for each image, batch_size images per call (batch_for: fewer images are one
+    call of their own size): the last batch is padded with zeros, so a compiled fn sees one shape.
+    fn's result is synced to the host (the caller's answer)."""
     out = []
+    batch_size = batch_for(len(images), batch_size)
     for start in range(0, len(images), batch_size):
         chunk = images[start:start + batch_size]
         padded = np.zeros((batch_size, *images.shape[1:]), images.dtype)
@@ -145,7 +155,7 @@ def run(params, model_name: str, images_u8: np.ndarray, labels: np.ndarray, dtyp
     With tta, "accuracy" is the test-time-augmented figure and "accuracy_no_tta" the plain one.
     """
     mesh = mesh if mesh is not None else distributed.make_mesh("all")
-    batch_size = -(-batch_size // mesh.devices.size) * mesh.devices.size  # whole shards per device
+    batch_size = batch_for(len(labels), batch_size, mesh.devices.size)
     batches, batch_labels, num_real = pad_to_batches(images_u8, labels, batch_size)
     replicated = distributed.replicated(mesh)
     predict = jax.jit(make_predict(models.get(model_name), compute_dtype(dtype), mesh, tta, tta_shift),
@@ -222,6 +232,7 @@ def run_members(stacked_params, model_name: str, images_u8: np.ndarray, labels: 
         batched = np.moveaxis(batched, 1, 0)
         return batched.reshape(batched.shape[0], -1, *batched.shape[3:])[:, :num_real]
 
+    batch_size = batch_for(len(labels), batch_size)
     batches, _, num_real = pad_to_batches(images_u8, labels, batch_size)
     score = jax.jit(lambda stacked, batches: jax.lax.map(lambda batch: log_probs(stacked, batch), batches))
     tic = time.perf_counter()
