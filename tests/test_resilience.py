@@ -101,7 +101,7 @@ def test_signal_saves_exits_and_resumes(signum, exit_code, reference, tmp_path):
     assert resume(run_dir)["params_digest"] == reference["digest"]
 
 
-def test_resume_refusals(reference, tmp_path, real_dataset):
+def test_resume_refusals(reference, tmp_path, real_dataset, capsys):
     run_dir = tmp_path / "run"
     code, _, err = finish(start(run_dir, "--resume"))
     assert code == 1 and "no finalized checkpoint" in err and not (run_dir / "summary.json").exists()
@@ -109,14 +109,19 @@ def test_resume_refusals(reference, tmp_path, real_dataset):
     wait_for(finalized(run_dir, 60), process)
     process.kill()
     process.wait(timeout=30)
-    code, _, err = finish(start(run_dir, "--resume", "--lr", "0.01"))
-    assert code == 1 and "cannot resume with a different config: lr 0.003 -> 0.01" in err
-    code, _, err = finish(start(run_dir, "--resume", "--batch-size", "128", "--seed", "4"))
-    assert code == 1 and "batch_size 1024 -> 128" in err and "seed 0 -> 4" in err
-    code, _, err = finish(start(run_dir, "--resume", "--steps", "180"))  # a cosine run is not re-stretched
-    assert code == 1 and "laid out for 160 steps" in err and not (run_dir / "summary.json").exists()
-    code, _, err = finish(start(run_dir, "--resume", "--steps", "50"))
-    assert code == 1 and "below the checkpoint's step 60" in err
+
+    def refused(*flags: str) -> str:  # the killed run's own checkpoint, read in this process: no import to wait for
+        code = cli.main(["train", *RUN, "--run-dir", str(run_dir), "--resume", *flags])
+        err = capsys.readouterr().err
+        assert code == 1, err
+        return err
+
+    assert "cannot resume with a different config: lr 0.003 -> 0.01" in refused("--lr", "0.01")
+    err = refused("--batch-size", "128", "--seed", "4")
+    assert "batch_size 1024 -> 128" in err and "seed 0 -> 4" in err
+    assert "laid out for 160 steps" in refused("--steps", "180")  # a cosine run is not re-stretched
+    assert not (run_dir / "summary.json").exists()
+    assert "below the checkpoint's step 60" in refused("--steps", "50")
 
 
 def test_torn_metrics_line_is_skipped(tmp_path):
