@@ -1,5 +1,6 @@
 """The commands that read a run without training it: eval, predict, export and report. Like cli,
-it imports nothing heavy at the top; each command imports what it needs when it runs."""
+it imports nothing heavy at the top; each command imports what it needs when it runs, after the
+checks that need none of it (a path that is not a run is refused at once)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ def load_data(args, out):
 
 
 def cmd_predict(args, out) -> int:
-    from fashionjax import artifacts, console, evaluate, predict, rundir
+    from fashionjax import rundir
+
+    run_dir = rundir.require_run(args.run_dir)
+    from fashionjax import artifacts, console, evaluate, predict
     from fashionjax import run as run_lib
     from fashionjax.data import CLASS_NAMES
     from fashionjax.report import plots
 
-    run_dir = rundir.require_run(args.run_dir)
     if not 1 <= args.top_k <= len(CLASS_NAMES):
         raise ConfigError(f"--top-k must be between 1 and {len(CLASS_NAMES)}, got {args.top_k}")
     paths = predict.image_paths(args.paths)
@@ -59,10 +62,12 @@ def cmd_predict(args, out) -> int:
 
 
 def cmd_export(args, out) -> int:
-    from fashionjax import export, rundir
-    from fashionjax import run as run_lib
+    from fashionjax import rundir
 
     run_dir = rundir.require_run(args.run_dir)
+    from fashionjax import export
+    from fashionjax import run as run_lib
+
     wanted = export.formats(args.format)
     export.require(wanted)  # before the data and the model load
     dataset = load_data(args, out)
@@ -104,10 +109,12 @@ def cmd_report(args, out) -> int:
 
 
 def cmd_eval(args, out) -> int:
-    from fashionjax import console, distributed, environment, rundir
-    from fashionjax import run as run_lib
+    from fashionjax import rundir
 
     run_dir = rundir.require_run(args.run_dir)
+    from fashionjax import console, distributed, environment
+    from fashionjax import run as run_lib
+
     environment.enable_compile_cache()
     dataset = load_data(args, out)
     scored = run_lib.rescore(run_dir, dataset, distributed.make_mesh("all"), out.note, args.member)
