@@ -172,6 +172,21 @@ def test_a_process_stopped_alone_names_its_signal_to_the_others(no_watch):
     assert told_0.wait(5) and heard_0 == [(2, "stopped", "SIGTERM")]
 
 
+def test_a_failure_that_echoes_a_death_leaves_the_report_to_the_watch(monkeypatch):
+    """Process 0 killed: a follower's collective fails too ("Connection reset by peer"), maybe before its
+    watch has read the closed connection. The death, which names the cause, is what gets reported."""
+    monkeypatch.setattr(rendezvous, "OUTLIVE_SECONDS", 0.1)
+    ours, theirs = socket.socketpair()
+    follower, heard, told = watched(1, {0: ours})
+    theirs.close()  # process 0 died
+    follower.leave("failed", "Gloo AllGather failed: Connection reset by peer")
+    assert told.is_set() and heard == [(0, "lost", "")]  # reported while leave() waited
+    ours, theirs = socket.socketpair()  # a failure of its own, the other process alive: said at once
+    failing, heard, told = watched(1, {0: ours})
+    failing.leave("failed", "disk full")
+    assert rendezvous._read_line(theirs, time.monotonic() + 5) == "failed 1 disk full" and heard == []
+
+
 def test_a_leaving_process_reports_nothing_more():
     ours, theirs = socket.socketpair()
     leaving, heard, told = watched(2, {0: ours})

@@ -232,14 +232,12 @@ def test_bad_flags_exit_2_with_one_json_document_and_no_files(tmp_path, args, ne
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no run dir, no runs/
 
 
-def test_a_command_re_run_by_mistake_is_refused_before_jax_loads(tmp_path):
-    """A used, missing or non-run directory is refused without importing JAX, orbax or matplotlib: the
-    line comes in a fraction of a second, not after seconds of imports."""
+def test_a_folder_that_is_not_a_run_is_refused_before_jax_loads(tmp_path):
+    """eval, predict and export of a folder that is not a run refuse it without importing JAX, orbax or
+    matplotlib: the line comes in a fraction of a second, not after seconds of imports."""
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "notes.txt").write_text("mine")
-    cases = [(["train", "--run-dir", str(tmp_path / "used")], 2, "run directory is not empty"),
-             (["train", "--resume", "--run-dir", str(tmp_path / "gone")], 1, "no finalized checkpoint"),
-             (["eval", str(tmp_path / "used")], 2, "not a run directory"),
+    cases = [(["eval", str(tmp_path / "used")], 2, "not a run directory"),
              (["predict", str(tmp_path / "used"), "x.png"], 2, "not a run directory"),
              (["export", str(tmp_path / "used"), "--out", str(tmp_path / "x")], 2, "not a run directory")]
     probe = ("import json, sys; from fashionjax import cli; code = cli.main(sys.argv[1:]); "

@@ -23,7 +23,6 @@ import fashionjax
 from fashionjax import config as config_lib
 from fashionjax import plan as plan_lib
 from fashionjax.config import TRAJECTORY_FIELDS, TrainConfig
-from fashionjax.rundir import ResumeError
 
 # Orbax logs every save at INFO, its option adjustments at WARNING and a failed write at ERROR with a
 # traceback per thread (about 100 lines on a full disk), all through absl. Each fault also reaches us as
@@ -33,6 +32,10 @@ logging.getLogger("absl").setLevel(logging.CRITICAL)
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read."""
+
+
+class ResumeError(RuntimeError):
+    """A resume that would not continue the same run."""
 
 
 class _Removed(CheckpointError):

@@ -34,10 +34,10 @@ def initialize(coordinator: str | None, num_processes: int | None, process_id: i
     With --coordinator, on_lost(process id, kind, detail) runs when another process fails, is stopped
     alone or dies (see rendezvous); rendezvous.leave() ends the watch.
     """
-    if coordinator is None and num_processes is None and process_id is None and not auto:
-        return
     import jax
 
+    if coordinator is None and num_processes is None and process_id is None and not auto:
+        return
     if not auto and (coordinator is None or num_processes is None or process_id is None):
         raise ConfigError("--coordinator, --num-processes and --process-id go together")
     if not auto and not 0 <= process_id < num_processes:

@@ -123,6 +123,8 @@ class Watch:
         self.on_lost = on_lost  # (process id, a kind in NEWS, its detail: the error, the signal's name or "")
         self.leaving = False
         self._decided = threading.Lock()  # the first news, or this process's own leaving, wins
+        self.said_bye: set[int] = set()  # the processes that left as planned
+        self.acting = threading.Event()  # a watch thread took news and will end this process
         self.threads = {process_id: threading.Thread(target=self._watch, args=(process_id, connection), daemon=True,
                                                      name=f"fashionjax-watch-{process_id}")
                         for process_id, connection in connections.items()}
@@ -137,8 +139,10 @@ class Watch:
             self.leaving = self.leaving or news
         if not news:
             if line == "bye":  # it is leaving: its exit closes the connection
+                self.said_bye.add(process_id)
                 _read_line(connection, math.inf)
             return
+        self.acting.set()
         kind, _, rest = line.partition(" ")
         who, _, reason = rest.partition(" ")
         if kind in NEWS and who.isdigit():
@@ -154,6 +158,13 @@ class Watch:
             self.await_exits(deadline)
         self.on_lost(process_id, kind, reason)
 
+    def _news_on_its_way(self) -> bool:
+        """Whether a watch thread took news, or a connection holds some unread (its process closed it
+        without "bye", or sent a line): looked at without reading it."""
+        return self.acting.is_set() or any(
+            process_id not in self.said_bye and _closed_or_telling(connection)
+            for process_id, connection in self.connections.items())
+
     def await_exits(self, deadline: float) -> None:
         """Until the other processes have exited (their connections closed), or the deadline passes."""
         for thread in self.threads.values():
@@ -161,7 +172,13 @@ class Watch:
                 thread.join(max(0.0, deadline - time.monotonic()))
 
     def leave(self, news: str | None = None, detail: str = "") -> None:
-        """Say "bye", or a NEWS kind and its detail; the connections stay open until the process exits."""
+        """Say "bye", or a NEWS kind and its detail; the connections stay open until the process exits.
+
+        A failure while another process's news is already on its way (seen: a collective that failed
+        with "Connection reset by peer" because the other process had been killed) is most likely its
+        echo: the watch reports that news, which names the cause, and ends the process meanwhile."""
+        if news == "failed" and self._news_on_its_way() and self.acting.wait(REPLY_GRACE_SECONDS):
+            time.sleep(OUTLIVE_SECONDS + REPLY_GRACE_SECONDS)  # the watch exits the process before this ends
         with self._decided:
             self.leaving = True
         for connection in self.connections.values():
@@ -231,6 +248,16 @@ def _read_line(connection: socket.socket, deadline: float) -> str:
             return ""
         received += chunk
     return received.decode("utf-8", "replace").split("\n")[0].strip()
+
+
+def _closed_or_telling(connection: socket.socket) -> bool:
+    """Whether the other end has closed the connection or sent something not yet read (a peek)."""
+    try:
+        return not connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT).startswith(b"b")  # b"bye"
+    except (BlockingIOError, TimeoutError):
+        return False
+    except OSError:  # reset: the other process died
+        return True
 
 
 def _tell(connection: socket.socket, line: str) -> None:

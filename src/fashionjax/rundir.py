@@ -37,10 +37,6 @@ class RunDirBusy(RunDirError):
     """Another process holds the run directory's lock."""
 
 
-class ResumeError(RuntimeError):
-    """A resume that would not continue the same run (here, without JAX: `train` refuses some at once)."""
-
-
 def _listing(names) -> str:
     names = sorted(names)
     shown = ", ".join(names[:5])
